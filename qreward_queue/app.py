@@ -1,0 +1,136 @@
+"""The Celery app: broker, results, JSON-only serialization, one priority queue per backend.
+
+Distributed mode talks to Redis; embedded mode (no Redis URL) uses kombu's in-memory
+transport, an in-memory result store and fakeredis for the limiter, so the same tasks and
+the same Lua run in one process.
+"""
+
+from __future__ import annotations
+
+import threading
+from functools import cached_property
+
+import redis
+from celery import Celery
+from kombu import Queue
+
+from . import tasks
+from .config import Backend, Config
+
+PRIORITIES = {"val": 0, "train": 6, "bulk": 9}  # on Redis 0 is served first
+
+
+class QrqCelery(Celery):
+    """A Celery app that also carries the qrq configuration and the limiter/cache store."""
+
+    def __init__(self, config: Config):
+        super().__init__("qreward_queue")
+        self.qrq_config = config
+        self.conf.update(celery_settings(config))
+        self.conf.task_queues = [
+            Queue(b.queue, routing_key=b.queue) for b in config.backends.values()
+        ]
+        tasks.register(self)
+
+    @cached_property
+    def store(self) -> redis.Redis:
+        """Redis for the limiter and cache: the real one, or an in-process fakeredis."""
+        if self.qrq_config.embedded:
+            import fakeredis
+
+            return fakeredis.FakeRedis(server=fakeredis.FakeServer())
+        return redis.Redis.from_url(
+            self.qrq_config.redis_url,
+            socket_timeout=10,
+            socket_connect_timeout=5,
+            health_check_interval=30,
+        )
+
+    def backend_config(self, name: str) -> Backend:
+        return self.qrq_config.backend(name)
+
+
+def celery_settings(config: Config) -> dict:
+    """Every Celery setting qrq relies on, with the reason for each in the README."""
+    transport = {
+        "queue_order_strategy": "priority",
+        "priority_steps": list(range(10)),
+        "sep": ":",
+        "global_keyprefix": "qrq:",
+        "visibility_timeout": config.visibility_timeout_s,
+        "unacked_restore_throttle": 1,
+        "socket_timeout": 10,
+        "socket_connect_timeout": 5,
+    }
+    settings = {
+        "task_serializer": "json",
+        "result_serializer": "json",
+        "accept_content": ["json"],
+        "result_accept_content": ["json"],
+        "task_default_priority": PRIORITIES["train"],
+        "task_queue_max_priority": 9,
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "task_retry_on_worker_lost": True,
+        "worker_prefetch_multiplier": 1,
+        "worker_deduplicate_successful_tasks": True,
+        "worker_cancel_long_running_tasks_on_connection_loss": False,
+        "broker_connection_retry_on_startup": True,
+        "result_expires": config.result_expires_s,
+        "result_extended": False,
+        "worker_send_task_events": True,
+        "task_send_sent_event": True,
+        "worker_hijack_root_logger": False,
+        "worker_soft_shutdown_timeout": 20.0,
+        "worker_enable_soft_shutdown_on_idle": True,
+        "task_default_queue": "qrq.default",
+        "default_retry_delay": 2,
+    }
+    if config.embedded:
+        settings.update(
+            broker_url="memory://",
+            result_backend="cache+memory://",
+            broker_transport_options={"polling_interval": 0.001},
+            worker_send_task_events=False,
+            task_send_sent_event=False,
+        )
+    else:
+        settings.update(
+            broker_url=config.redis_url,
+            result_backend=config.redis_url,
+            broker_transport_options=transport,
+            result_backend_transport_options={"global_keyprefix": "qrq:"},
+            redis_backend_health_check_interval=30,
+        )
+    return settings
+
+
+class EmbeddedWorker:
+    """In-process worker threads consuming every backend's queue (embedded mode only)."""
+
+    def __init__(self, app: QrqCelery, concurrency: int):
+        from celery.result import _set_task_join_will_block
+
+        self.app = app
+        app.set_default()  # pool threads look the app up through the process-wide default
+        queues = [b.queue for b in app.qrq_config.backends.values()]
+        self.controller = app.WorkController(
+            app=app,
+            pool="threads",
+            concurrency=concurrency,
+            queues=queues,
+            hostname="embedded@qrq",
+            loglevel="WARNING",
+            without_heartbeat=True,
+            without_mingle=True,
+            without_gossip=True,
+        )
+        self.thread = threading.Thread(
+            target=self.controller.start, daemon=True, name="qrq-embedded-worker"
+        )
+        self.thread.start()
+        _set_task_join_will_block(False)
+
+    def stop(self) -> None:
+        self.controller.stop(in_sighandler=False)
+        self.thread.join(10)

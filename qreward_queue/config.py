@@ -1,0 +1,405 @@
+"""Load and check qrq.toml and workers/<backend>.toml; every mistake names its file and key.
+
+qrq.toml is found through QRQ_CONFIG (a path), else ./qrq.toml; QRQ_REDIS_URL overrides its
+`[redis] url`. With no URL at all qrq runs in embedded mode (in-process broker and workers).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError, UnknownRoute
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+KINDS = ("judge", "reward_model", "function")
+POOLS = ("threads", "prefork", "solo")
+DEFAULT_TEMPLATE = (
+    "Rate the response to the prompt on a scale from 0 to 1.\n"
+    "Prompt: {prompt}\nResponse: {response}\nReference: {reference}\n"
+    "Answer with 'Score: <number>'."
+)
+DEFAULT_SCORE_PATTERN = r"Score:\s*([-+]?\d*\.?\d+)"
+_RATE_LIMIT = re.compile(r"^\d+(\.\d+)?/[smh]$")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the backend allows; the global limiter enforces these across all workers."""
+
+    rpm: float | None = None
+    tpm: float | None = None
+    max_concurrent: int | None = None
+    burst_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class Pool:
+    """How the Celery worker pool for one backend runs."""
+
+    type: str = "threads"
+    concurrency: int = 16
+    rate_limit: str | None = None
+
+
+@dataclass(frozen=True)
+class Retry:
+    """Retries of retryable errors (429, timeouts, 5xx) before failing over or giving up."""
+
+    attempts: int = 4
+    backoff_base_s: float = 0.5
+    backoff_cap_s: float = 10.0
+    jitter: bool = True
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One endpoint or function: its own limits, its own queue `qrq.<name>`, its own pool."""
+
+    name: str
+    kind: str
+    url: str | None = None
+    model: str | None = None
+    api_key_env: str | None = None
+    timeout_s: float = 60.0
+    chunk_size: int = 1
+    prompt_template: str = DEFAULT_TEMPLATE
+    system_prompt: str | None = None
+    score_pattern: str = DEFAULT_SCORE_PATTERN
+    max_tokens: int = 16
+    batch_size: int = 16
+    function: str | None = None
+    limits: Limits = field(default_factory=Limits)
+    pool: Pool = field(default_factory=Pool)
+    retry: Retry = field(default_factory=Retry)
+    source: str = "<memory>"
+
+    @property
+    def queue(self) -> str:
+        return f"qrq.{self.name}"
+
+    def api_key(self) -> str | None:
+        """Read the key from the environment at call time; it never enters a message."""
+        return os.environ.get(self.api_key_env) if self.api_key_env else None
+
+
+@dataclass(frozen=True)
+class Route:
+    """A reward name a trainer uses: backends that produce the same score, with weights."""
+
+    name: str
+    backends: tuple[str, ...]
+    weights: tuple[float, ...]
+    cache: bool = False
+    cache_ttl_s: float = 86400.0
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything qrq.toml and the backend files say."""
+
+    redis_url: str | None
+    backends: dict[str, Backend]
+    routes: dict[str, Route]
+    default_route: str | None = None
+    deadline_s: float = 600.0
+    fallback_score: float = 0.0
+    max_sample_bytes: int = 1 << 20
+    result_expires_s: int = 6 * 3600
+    visibility_timeout_s: int = 900
+    source: str = "<memory>"
+
+    @property
+    def embedded(self) -> bool:
+        return self.redis_url is None
+
+    def route(self, name: str | None) -> Route:
+        """The route called `name` (a bare backend name is a one-backend route)."""
+        name = name or self.default_route
+        if name is None:
+            raise UnknownRoute(f"no route given and {self.source} sets no [defaults] route")
+        if name in self.routes:
+            return self.routes[name]
+        if name in self.backends:
+            return Route(name=name, backends=(name,), weights=(1.0,))
+        known = ", ".join(sorted({*self.routes, *self.backends})) or "none"
+        raise UnknownRoute(f"unknown route or backend {name!r} (known: {known})")
+
+    def backend(self, name: str) -> Backend:
+        try:
+            return self.backends[name]
+        except KeyError:
+            raise UnknownRoute(f"unknown backend {name!r}") from None
+
+
+class _Table:
+    """A TOML table that reports wrong or unknown keys with the file and the key's path."""
+
+    def __init__(self, data: Any, source: str, path: str):
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: [{path}] must be a table, got {type(data).__name__}")
+        self.data, self.source, self.path = data, source, path
+        self.used: set[str] = set()
+
+    def _where(self, key: str) -> str:
+        return f"{self.source}: {self.path}.{key}" if self.path else f"{self.source}: {key}"
+
+    def fail(self, key: str, expected: str) -> ConfigError:
+        return ConfigError(f"{self._where(key)}: expected {expected}, got {self.data.get(key)!r}")
+
+    def get(
+        self,
+        key: str,
+        kind: type | tuple[type, ...],
+        default: Any = None,
+        *,
+        expected: str | None = None,
+        required: bool = False,
+    ) -> Any:
+        self.used.add(key)
+        if key not in self.data:
+            if required:
+                raise ConfigError(f"{self._where(key)}: missing (expected {expected or kind})")
+            return default
+        value = self.data[key]
+        if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+            raise self.fail(key, expected or str(kind))
+        if not isinstance(value, kind):
+            raise self.fail(key, expected or getattr(kind, "__name__", str(kind)))
+        return value
+
+    def number(
+        self, key: str, default: float | None, *, positive: bool = True, allow_zero: bool = False
+    ) -> float | None:
+        value = self.get(key, (int, float), default, expected="a number")
+        if value is None:
+            return None
+        if positive and (value < 0 or (value == 0 and not allow_zero)):
+            raise self.fail(key, "a positive number" if not allow_zero else "a number >= 0")
+        return float(value)
+
+    def integer(self, key: str, default: int | None, minimum: int = 1) -> int | None:
+        value = self.get(key, int, default, expected=f"an integer >= {minimum}")
+        if value is not None and value < minimum:
+            raise self.fail(key, f"an integer >= {minimum}")
+        return value
+
+    def table(self, key: str) -> _Table:
+        self.used.add(key)
+        return _Table(self.data.get(key, {}), self.source, f"{self.path}.{key}".strip("."))
+
+    def finish(self) -> None:
+        unknown = sorted(set(self.data) - self.used)
+        if unknown:
+            raise ConfigError(
+                f"{self._where(unknown[0])}: unknown key (known: {', '.join(sorted(self.used))})"
+            )
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: file not found") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML ({exc})") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read ({exc})") from None
+
+
+def _limits(t: _Table) -> Limits:
+    rpm, tpm = t.number("rpm", None, allow_zero=True), t.number("tpm", None, allow_zero=True)
+    limits = Limits(
+        rpm=rpm or None,
+        tpm=tpm or None,
+        max_concurrent=t.integer("max_concurrent", None, minimum=0) or None,
+        burst_s=t.number("burst_s", 1.0),
+    )
+    t.finish()
+    return limits
+
+
+def _pool(t: _Table, kind: str) -> Pool:
+    pool_type = t.get("type", str, "prefork" if kind == "function" else "threads")
+    if pool_type not in POOLS:
+        raise t.fail("type", f"one of {', '.join(POOLS)}")
+    rate_limit = t.get("rate_limit", str, None, expected='a Celery rate such as "50/s"')
+    if rate_limit is not None and not _RATE_LIMIT.match(rate_limit):
+        raise t.fail("rate_limit", 'a Celery rate such as "50/s", "3000/m" or "100/h"')
+    default_concurrency = (os.cpu_count() or 2) if pool_type == "prefork" else 16
+    pool = Pool(pool_type, t.integer("concurrency", default_concurrency), rate_limit)
+    t.finish()
+    return pool
+
+
+def _retry(t: _Table) -> Retry:
+    retry = Retry(
+        attempts=t.integer("attempts", Retry.attempts),
+        backoff_base_s=t.number("backoff_base_s", Retry.backoff_base_s, allow_zero=True),
+        backoff_cap_s=t.number("backoff_cap_s", Retry.backoff_cap_s, allow_zero=True),
+        jitter=t.get("jitter", bool, Retry.jitter),
+    )
+    t.finish()
+    return retry
+
+
+def load_backend(path: str | os.PathLike[str]) -> Backend:
+    """Read one workers/<backend>.toml."""
+    path = Path(path)
+    root = _Table(_read_toml(path), str(path), "")
+    b = root.table("backend")
+    kind = b.get("kind", str, required=True, expected=f"one of {', '.join(KINDS)}")
+    if kind not in KINDS:
+        raise b.fail("kind", f"one of {', '.join(KINDS)}")
+    name = b.get("name", str, path.stem)
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
+        raise b.fail("name", "letters, digits, '.', '_' or '-'")
+    values: dict[str, Any] = {
+        "timeout_s": b.number("timeout_s", Backend.timeout_s),
+        "api_key_env": b.get("api_key_env", str, None, expected="the NAME of an env variable"),
+    }
+    if kind in ("judge", "reward_model"):
+        values["url"] = b.get("url", str, required=True, expected="an http(s) URL")
+        if not values["url"].startswith(("http://", "https://")):
+            raise b.fail("url", "an http(s) URL")
+    if kind == "judge":
+        values["model"] = b.get("model", str, required=True, expected="a model name")
+        values["prompt_template"] = b.get("prompt_template", str, DEFAULT_TEMPLATE)
+        values["system_prompt"] = b.get("system_prompt", str, None)
+        values["score_pattern"] = b.get("score_pattern", str, DEFAULT_SCORE_PATTERN)
+        values["max_tokens"] = b.integer("max_tokens", Backend.max_tokens)
+        try:
+            if re.compile(values["score_pattern"]).groups < 1:
+                raise b.fail("score_pattern", "a regex with one capture group for the score")
+        except re.error as exc:
+            raise b.fail("score_pattern", f"a valid regex ({exc})") from None
+        _check_template(b, values["prompt_template"])
+    elif kind == "reward_model":
+        values["model"] = b.get("model", str, None)
+        values["batch_size"] = b.integer("batch_size", Backend.batch_size)
+    else:
+        values["function"] = b.get(
+            "function", str, required=True, expected="an import path 'package.module:callable'"
+        )
+        if not re.fullmatch(r"[\w.]+:[\w.]+", values["function"]):
+            raise b.fail("function", "an import path 'package.module:callable'")
+    default_chunk = {"judge": 1, "function": 16}.get(kind, values.get("batch_size"))
+    values["chunk_size"] = b.integer("chunk_size", default_chunk)
+    b.finish()
+    backend = Backend(
+        name=name,
+        kind=kind,
+        **values,
+        limits=_limits(root.table("limits")),
+        pool=_pool(root.table("pool"), kind),
+        retry=_retry(root.table("retry")),
+        source=str(path),
+    )
+    root.finish()
+    return backend
+
+
+def _check_template(t: _Table, template: str) -> None:
+    fields = {"prompt": "", "response": "", "reference": "", "data_source": "", "extra": {}}
+    try:
+        template.format(**fields)
+    except (KeyError, IndexError, ValueError) as exc:
+        raise t.fail(
+            "prompt_template",
+            "placeholders among {prompt} {response} {reference} "
+            f"{{data_source}} {{extra}} ({exc!r})",
+        ) from None
+
+
+def _routes(t: _Table, backends: dict[str, Backend]) -> dict[str, Route]:
+    routes = {}
+    for name in list(t.data):
+        r = t.table(name)
+        names = r.get("backends", list, required=True, expected="a list of backend names")
+        if not names or not all(isinstance(n, str) for n in names):
+            raise r.fail("backends", "a non-empty list of backend names")
+        for n in names:
+            if n not in backends:
+                raise r.fail(
+                    "backends",
+                    f"backends defined in the workers directory "
+                    f"(no file defines {n!r}; known: {', '.join(sorted(backends))})",
+                )
+        w = r.table("weights")
+        weights = tuple(w.number(n, 1.0) for n in names)
+        w.finish()
+        routes[name] = Route(
+            name=name,
+            backends=tuple(names),
+            weights=weights,
+            cache=r.get("cache", bool, False),
+            cache_ttl_s=r.number("cache_ttl_s", 86400.0),
+        )
+        r.finish()
+    return routes
+
+
+def load_config(path: str | os.PathLike[str] | None = None) -> Config:
+    """Load qrq.toml (argument, else $QRQ_CONFIG, else ./qrq.toml) and its backend files.
+
+    Without any file, the result is an empty embedded configuration.
+    """
+    path = path or os.environ.get("QRQ_CONFIG")
+    if path is None and Path("qrq.toml").exists():
+        path = "qrq.toml"
+    env_url = os.environ.get("QRQ_REDIS_URL") or None
+    if path is None:
+        return Config(redis_url=env_url, backends={}, routes={})
+    path = Path(path)
+    root = _Table(_read_toml(path), str(path), "")
+    redis_t = root.table("redis")
+    url = redis_t.get("url", str, None, expected="a redis:// or rediss:// URL")
+    redis_t.finish()
+    url = env_url or url
+    if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigError(
+            f"{'QRQ_REDIS_URL' if env_url else f'{path}: redis.url'}: "
+            f"expected a redis:// or rediss:// URL, got {url!r}"
+        )
+    d = root.table("defaults")
+    workers_dir = path.parent / root.get("workers_dir", str, "workers")
+    if not workers_dir.is_dir():
+        raise ConfigError(f"{path}: workers_dir: no directory {workers_dir}")
+    backends = {}
+    for file in sorted(workers_dir.glob("*.toml")):
+        backend = load_backend(file)
+        if backend.name in backends:
+            raise ConfigError(
+                f"{file}: backend.name: {backend.name!r} is also defined in "
+                f"{backends[backend.name].source}"
+            )
+        backends[backend.name] = backend
+    config = Config(
+        redis_url=url,
+        backends=backends,
+        routes=_routes(root.table("routes"), backends),
+        default_route=d.get("route", str, None),
+        deadline_s=d.number("deadline_s", 600.0),
+        fallback_score=d.number("fallback_score", 0.0, positive=False),
+        max_sample_bytes=d.integer("max_sample_bytes", 1 << 20),
+        result_expires_s=d.integer("result_expires_s", 6 * 3600),
+        visibility_timeout_s=d.integer("visibility_timeout_s", 900),
+        source=str(path),
+    )
+    d.finish()
+    root.finish()
+    if config.default_route is not None:
+        try:
+            config.route(config.default_route)
+        except UnknownRoute as exc:
+            raise ConfigError(f"{path}: defaults.route: {exc}") from None
+    return config

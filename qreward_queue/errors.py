@@ -1,0 +1,78 @@
+"""The error hierarchy; each scoring error maps onto one outcome status.
+
+QrqError
+├── ConfigError        a broken qrq.toml or workers/*.toml (names file and key)
+├── InvalidSamples     samples rejected before anything is queued (names every index)
+├── UnknownRoute       submit_batch(route=...) names no configured route or backend
+└── ScoringError       a sample could not be scored: outcome status "error"
+    ├── RetryableError     worth another try, here or on a sibling backend
+    │   ├── RateLimited        HTTP 429 (carries Retry-After)
+    │   └── TransientError     timeout, connection error, 5xx
+    └── PermanentError     other 4xx, unparseable verdict: retrying cannot help
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+
+class QrqError(Exception):
+    """Base of every error qrq raises on purpose."""
+
+
+class ConfigError(QrqError):
+    """A configuration file is missing, unreadable or has a wrong value."""
+
+
+class UnknownRoute(QrqError):
+    """A route or backend name that the configuration does not define."""
+
+
+class InvalidSamples(QrqError):
+    """Samples that failed validation; `problems` maps input index to the reason."""
+
+    def __init__(self, problems: dict[int, str]):
+        self.problems = dict(sorted(problems.items()))
+        lines = [f"sample {i}: {why}" for i, why in self.problems.items()]
+        super().__init__(f"{len(lines)} invalid sample(s):\n  " + "\n  ".join(lines))
+
+
+class ScoringError(QrqError):
+    """A sample could not be scored; `detail` keeps what the backend said.
+
+    The HTTP facts (status, headers, whether the call timed out) travel with the error so the
+    limiter can learn from failures as well as from successes.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        detail: str | None = None,
+        *,
+        status_code: int | None = None,
+        headers: Mapping[str, str] | None = None,
+        timed_out: bool = False,
+        retry_after_s: float | None = None,
+    ):
+        super().__init__(message)
+        self.detail = detail
+        self.status_code = status_code
+        self.headers = headers
+        self.timed_out = timed_out
+        self.retry_after_s = retry_after_s
+
+
+class RetryableError(ScoringError):
+    """Another attempt may succeed."""
+
+
+class RateLimited(RetryableError):
+    """The backend answered 429; `retry_after_s` is how long it asked us to wait."""
+
+
+class TransientError(RetryableError):
+    """Timeout, connection failure or 5xx."""
+
+
+class PermanentError(ScoringError):
+    """A 4xx other than 429, or a reply we cannot parse: never retried blindly."""

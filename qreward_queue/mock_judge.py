@@ -1,0 +1,673 @@
+"""A rate-limited, OpenAI-compatible mock LLM judge for the demo, the tests and the benchmarks.
+
+It is a stdlib HTTP server (plus a click entry point), so it runs anywhere the package does.
+
+Verdict rule (deterministic, so tests can check every score):
+    verdict(text) = (zlib.crc32(text.encode("utf-8")) % 101) / 100, applied to the content of
+    the last message with role "user". The reward-model endpoint scores each item with
+    rm_verdict(prompt, response) = verdict(prompt + "\\n" + response).
+
+Endpoints:
+    POST /v1/chat/completions  {"model", "messages": [{"role", "content"}, ...], "max_tokens"?}
+                               -> an OpenAI chat.completion saying "... Score: 0.42"
+    POST /v1/rewards           {"items": [{"prompt", "response"}, ...]} -> {"scores", "usage"}
+    GET /stats, POST /stats/reset, GET /health
+
+Tokens are ceil(characters / 4). A chat call costs prompt_tokens plus max_tokens when given (as
+OpenAI reserves it), else plus completion_tokens; a rewards call costs the sum over its items of
+ceil((len(prompt) + len(response)) / 4) and counts as one request.
+
+Rate limits are per minute but enforced per second, as OpenAI says it may: each is a token bucket
+holding one second's worth (limit / 60) that refills continuously. A request is admitted when the
+bucket holds its cost. A request costing more than the whole bucket is admitted only when the
+bucket is full, and drives the level negative, so the long-run rate still holds (this is also what
+makes rpm < 60 work). A concurrency limit caps the requests in flight. All checks happen on
+arrival, under one lock, before the simulated latency, and a 429 consumes nothing. The
+x-ratelimit-remaining-* headers count what is left in the one-second bucket (never below 0);
+x-ratelimit-reset-* is the time until it is full, as a Go-style duration like OpenAI's ("20ms",
+"1.5s", "6m0s"). A concurrency 429 has no bucket to wait for, so it says to retry after one mean
+latency.
+
+Faults: error_rate and hang_rate are drawn per admitted request from the seeded RNG. Triggers in
+the judged text (chat: the last user message; rewards: any prompt or response), in this order:
+    [[mock:400]]      400 invalid_request_error, checked before the rate limits (costs nothing)
+    [[mock:hang]]     sleep hang_s first, then answer as below
+    [[mock:500]]      500 server_error
+    [[mock:badjson]]  200 whose body is not JSON
+    [[mock:garbage]]  200 without a score: "I cannot decide." / {"scores": "nope"}
+One bad item sinks a whole rewards call, so a client must split the batch to isolate it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import queue
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import click
+
+Json = dict[str, Any]
+
+_TRIGGER = re.compile(r"\[\[mock:(400|hang|500|badjson|garbage)\]\]")
+_COUNTERS = (
+    "requests",
+    "accepted",
+    "rate_limited",
+    "errors",
+    "client_errors",
+    "hangs",
+    "connections_opened",
+    "tokens",
+    "items",
+)
+_BAD_JSON = b'{"id": "chatcmpl-broken", "object": "chat.completion", "choices": [{"mess'
+_completion_ids = itertools.count(1)
+
+
+@dataclass
+class MockJudgeSettings:
+    """How the mock judge limits, delays and fails; 0 means unlimited for the limits."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    rpm: float = 0
+    tpm: float = 0
+    max_concurrent: int = 0
+    latency_ms: float = 200.0
+    latency_cv: float = 0.5
+    error_rate: float = 0.0
+    hang_rate: float = 0.0
+    hang_s: float = 30.0
+    seed: int = 0
+
+
+def verdict(text: str) -> float:
+    """The judge's score for a text: (crc32 % 101) / 100, so tests can predict every score."""
+    # surrogatepass only matters for lone surrogates, which JSON allows but UTF-8 does not
+    return (zlib.crc32(text.encode("utf-8", "surrogatepass")) % 101) / 100
+
+
+def rm_verdict(prompt: str, response: str) -> float:
+    """The reward model's score for one (prompt, response) item."""
+    return verdict(prompt + "\n" + response)
+
+
+def _tokens(chars: int) -> int:
+    return math.ceil(chars / 4)
+
+
+def _ceil_ms(seconds: float) -> int:
+    # round off float noise first, so 0.1 s is 100 ms and not 101
+    return math.ceil(round(seconds * 1000, 6))
+
+
+def _duration(seconds: float) -> str:
+    """Format like OpenAI's x-ratelimit-reset-* headers: "20ms", "1s", "1.5s", "6m0s", "1h0m0s"."""
+    ms = _ceil_ms(seconds)
+    if 0 < ms < 1000:
+        return f"{ms}ms"
+    minutes, ms = divmod(ms, 60_000)
+    hours, minutes = divmod(minutes, 60)
+    text = f"{ms / 1000:.3f}".rstrip("0").rstrip(".") + "s"
+    if hours or minutes:
+        text = f"{minutes}m{text}"
+    return f"{hours}h{text}" if hours else text
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+def _error(message: str, kind: str, code: str | None = None) -> Json:
+    return {"error": {"message": message, "type": kind, "code": code}}
+
+
+class _BadRequest(Exception):
+    """A client error; its message names the offending field."""
+
+
+class _Bucket:
+    """Token bucket holding one second's worth of a per-minute limit."""
+
+    def __init__(self, per_minute: float, now: float) -> None:
+        self.per_minute = per_minute
+        self.rate = per_minute / 60
+        self.capacity = self.rate
+        self.level = self.capacity
+        self.stamp = now
+
+    def refill(self, now: float) -> None:
+        self.level = min(self.capacity, self.level + (now - self.stamp) * self.rate)
+        self.stamp = now
+
+    def admits(self, cost: float) -> bool:
+        return self.level >= min(cost, self.capacity)
+
+    def wait_for(self, cost: float) -> float:
+        return max(0.0, min(cost, self.capacity) - self.level) / self.rate
+
+    def headers(self, kind: str) -> dict[str, str]:
+        return {
+            f"x-ratelimit-limit-{kind}": _number(self.per_minute),
+            f"x-ratelimit-remaining-{kind}": str(max(0, math.floor(self.level))),
+            f"x-ratelimit-reset-{kind}": _duration((self.capacity - self.level) / self.rate),
+        }
+
+
+@dataclass
+class _Call:
+    """A validated scoring request: what it costs, which triggers it holds, how to answer it."""
+
+    tokens: int
+    triggers: set[str]
+    items: int
+    reply: Callable[[], Json]
+
+
+@dataclass
+class _Ticket:
+    """The outcome of admission: a refusal (kind, message, seconds to wait) or the random draws."""
+
+    headers: dict[str, str]
+    refusal: tuple[str, str, float] | None = None
+    latency_s: float = 0.0
+    error: bool = False
+    hang: bool = False
+
+
+class _Judge:
+    """Limits, counters and the seeded RNG shared by all handler threads, behind one lock."""
+
+    def __init__(self, settings: MockJudgeSettings) -> None:
+        self.settings = settings
+        self.stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._rng = random.Random(settings.seed)
+        now = time.monotonic()
+        self._requests = _Bucket(settings.rpm, now) if settings.rpm > 0 else None
+        self._tokens = _Bucket(settings.tpm, now) if settings.tpm > 0 else None
+        self._counts = dict.fromkeys(_COUNTERS, 0)
+        self._in_flight = 0
+        self._peak = 0
+
+    def count(self, name: str, amount: int = 1) -> None:
+        with self._lock:
+            self._counts[name] += amount
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {**self._counts, "in_flight": self._in_flight, "peak_in_flight": self._peak}
+
+    def reset(self) -> None:
+        with self._lock:
+            self._counts = dict.fromkeys(_COUNTERS, 0)
+            self._peak = self._in_flight
+
+    def pause(self, seconds: float) -> None:
+        """Sleep, but wake up when the server stops so hanging handlers do not outlive it."""
+        if seconds > 0:
+            self.stopping.wait(seconds)
+
+    def admit(self, tokens: int) -> _Ticket:
+        """Check every limit at arrival; on success take the cost and draw latency and faults."""
+        with self._lock:
+            now = time.monotonic()
+            for bucket in (self._requests, self._tokens):
+                if bucket:
+                    bucket.refill(now)
+            ticket = _Ticket(headers={}, refusal=self._refusal(tokens))
+            if ticket.refusal is None:
+                if self._requests:
+                    self._requests.level -= 1
+                if self._tokens:
+                    self._tokens.level -= tokens
+                self._in_flight += 1
+                self._peak = max(self._peak, self._in_flight)
+                self._counts["tokens"] += tokens
+                ticket.latency_s = self._draw_latency()
+                ticket.error = self._rng.random() < self.settings.error_rate
+                ticket.hang = self._rng.random() < self.settings.hang_rate
+            if self._requests:
+                ticket.headers |= self._requests.headers("requests")
+            if self._tokens:
+                ticket.headers |= self._tokens.headers("tokens")
+            return ticket
+
+    def release(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+
+    def _refusal(self, tokens: int) -> tuple[str, str, float] | None:
+        if self._requests and not self._requests.admits(1):
+            limit = _number(self._requests.per_minute)
+            message = f"Rate limit reached for requests per min (RPM): Limit {limit}"
+            return "requests", message, self._requests.wait_for(1)
+        if self._tokens and not self._tokens.admits(tokens):
+            limit = f"Limit {_number(self._tokens.per_minute)}, Requested {tokens}"
+            message = f"Rate limit reached for tokens per min (TPM): {limit}"
+            return "tokens", message, self._tokens.wait_for(tokens)
+        limit = self.settings.max_concurrent
+        if limit > 0 and self._in_flight >= limit:
+            message = f"Rate limit reached for concurrency: Limit {limit} requests in flight"
+            return "concurrency", message, self.settings.latency_ms / 1000
+        return None
+
+    def _draw_latency(self) -> float:
+        mean, cv = self.settings.latency_ms / 1000, self.settings.latency_cv
+        if mean <= 0 or cv <= 0:
+            return max(mean, 0.0)
+        sigma2 = math.log1p(cv * cv)
+        return self._rng.lognormvariate(math.log(mean) - sigma2 / 2, math.sqrt(sigma2))
+
+
+def _load_object(body: bytes) -> Json:
+    try:
+        payload = json.loads(body)
+    except (ValueError, RecursionError):
+        raise _BadRequest("request body is not valid JSON") from None
+    if not isinstance(payload, dict):
+        raise _BadRequest("request body must be a JSON object")
+    return payload
+
+
+def _require_strings(value: Any, where: str, keys: tuple[str, ...]) -> None:
+    if not isinstance(value, dict):
+        raise _BadRequest(f"'{where}' must be an object")
+    for key in keys:
+        if not isinstance(value.get(key), str):
+            raise _BadRequest(f"'{where}.{key}' must be a string")
+
+
+def _triggers(text: str, where: str) -> set[str]:
+    found = set(_TRIGGER.findall(text))
+    if "400" in found:
+        raise _BadRequest(f"'{where}' contains [[mock:400]]")
+    return found
+
+
+def _parse_chat(body: bytes) -> _Call:
+    payload = _load_object(body)
+    model = payload.get("model")
+    if not isinstance(model, str):
+        raise _BadRequest("'model' must be a string")
+    messages = payload.get("messages")
+    if not isinstance(messages, list):
+        raise _BadRequest("'messages' must be a list")
+    for i, message in enumerate(messages):
+        _require_strings(message, f"messages[{i}]", ("role", "content"))
+    users = [i for i, message in enumerate(messages) if message["role"] == "user"]
+    if not users:
+        raise _BadRequest("'messages' has no message with role 'user'")
+    max_tokens = payload.get("max_tokens")
+    if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):
+        raise _BadRequest("'max_tokens' must be a positive integer")
+
+    judged = messages[users[-1]]["content"]
+    triggers = _triggers(judged, f"messages[{users[-1]}].content")
+    if "garbage" in triggers:
+        content = "I cannot decide."
+    else:
+        content = f"The response was assessed. Score: {verdict(judged):.2f}"
+    prompt_tokens = _tokens(sum(len(message["content"]) for message in messages))
+    completion_tokens = _tokens(len(content))
+
+    def reply() -> Json:
+        return {
+            "id": f"chatcmpl-{next(_completion_ids)}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": content},
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
+        }
+
+    cost = prompt_tokens + (max_tokens or completion_tokens)
+    return _Call(tokens=cost, triggers=triggers, items=0, reply=reply)
+
+
+def _parse_rewards(body: bytes) -> _Call:
+    items = _load_object(body).get("items")
+    if not isinstance(items, list):
+        raise _BadRequest("'items' must be a list")
+    triggers: set[str] = set()
+    for i, item in enumerate(items):
+        _require_strings(item, f"items[{i}]", ("prompt", "response"))
+        for key in ("prompt", "response"):
+            triggers |= _triggers(item[key], f"items[{i}].{key}")
+    tokens = sum(_tokens(len(item["prompt"]) + len(item["response"])) for item in items)
+    usage = {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens}
+    garbage = "garbage" in triggers
+    scores = "nope" if garbage else [rm_verdict(item["prompt"], item["response"]) for item in items]
+    reply = {"scores": scores, "usage": usage}
+    scored = 0 if garbage else len(items)
+    return _Call(tokens=tokens, triggers=triggers, items=scored, reply=lambda: reply)
+
+
+class _Server(ThreadingHTTPServer):
+    """One thread per connection, with a backlog deep enough for bursts of ~200 clients."""
+
+    daemon_threads = True
+    block_on_close = False
+    request_queue_size = 1024
+
+    def __init__(self, settings: MockJudgeSettings) -> None:
+        self.judge = _Judge(settings)
+        super().__init__((settings.host, settings.port), _Handler)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if not isinstance(sys.exc_info()[1], OSError):  # a client hanging up is not news
+            super().handle_error(request, client_address)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive
+    disable_nagle_algorithm = True  # headers and body go out as separate writes
+    server: _Server
+
+    def setup(self) -> None:
+        super().setup()
+        self.server.judge.count("connections_opened")
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Stay quiet: benchmarks send thousands of requests."""
+
+    def do_GET(self) -> None:
+        self._dispatch()
+
+    def do_POST(self) -> None:
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        judge = self.server.judge
+        path = urlsplit(self.path).path
+        try:
+            body = self._read_body()
+        except _BadRequest as exc:
+            self.close_connection = True  # the next request's start is unknown
+            self._send_json(400, _error(str(exc), "invalid_request_error"))
+            return
+        match self.command, path:
+            case "POST", "/v1/chat/completions":
+                self._score(body, _parse_chat)
+            case "POST", "/v1/rewards":
+                self._score(body, _parse_rewards)
+            case "GET", "/stats":
+                self._send_json(200, judge.stats())
+            case "POST", "/stats/reset":
+                judge.reset()
+                self._send_json(200, judge.stats())
+            case "GET", "/health":
+                self._send_json(200, {"ok": True})
+            case _:
+                message = f"unknown endpoint: {self.command} {path}"
+                self._send_json(404, _error(message, "invalid_request_error"))
+
+    def _read_body(self) -> bytes:
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            raise _BadRequest("chunked request bodies are not supported; send Content-Length")
+        try:
+            length = int(self.headers.get("Content-Length", "0"))
+        except ValueError:
+            length = -1
+        if length < 0:
+            raise _BadRequest("'Content-Length' header must be a non-negative integer")
+        return self.rfile.read(length)
+
+    def _score(self, body: bytes, parse: Callable[[bytes], _Call]) -> None:
+        judge = self.server.judge
+        judge.count("requests")
+        try:
+            call = parse(body)
+        except _BadRequest as exc:
+            judge.count("client_errors")
+            self._send_json(400, _error(str(exc), "invalid_request_error"))
+            return
+        ticket = judge.admit(call.tokens)
+        if ticket.refusal:
+            judge.count("rate_limited")
+            kind, message, wait = ticket.refusal
+            ms = max(1, _ceil_ms(wait))
+            message = f"{message}. Please try again in {_duration(wait)}."
+            headers = {
+                **ticket.headers,
+                "Retry-After": str(max(1, math.ceil(ms / 1000))),
+                "retry-after-ms": str(ms),
+            }
+            self._send_json(429, _error(message, kind, "rate_limit_exceeded"), headers)
+            return
+        try:
+            status, response = self._answer(call, ticket)
+        finally:
+            judge.release()  # before replying, so a client's next request finds the slot free
+        self._send(status, response, ticket.headers)
+
+    def _answer(self, call: _Call, ticket: _Ticket) -> tuple[int, bytes]:
+        """Sit out the simulated latency and faults of an admitted call, then build its reply."""
+        judge = self.server.judge
+        judge.pause(ticket.latency_s)
+        if ticket.hang or "hang" in call.triggers:
+            judge.count("hangs")
+            judge.pause(judge.settings.hang_s)
+        if ticket.error or "500" in call.triggers:
+            judge.count("errors")
+            message = "The server had an error while processing your request."
+            return 500, json.dumps(_error(message, "server_error")).encode()
+        judge.count("accepted")
+        if "badjson" in call.triggers:
+            return 200, _BAD_JSON
+        judge.count("items", call.items)
+        return 200, json.dumps(call.reply()).encode()
+
+    def _send_json(self, status: int, payload: Json, headers: dict[str, str] | None = None) -> None:
+        self._send(status, json.dumps(payload).encode(), headers or {})
+
+    def _send(self, status: int, body: bytes, headers: dict[str, str]) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        for name, value in headers.items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(body)
+
+
+class MockJudge:
+    """The mock judge in this process, serving from a daemon thread; binds its port at once."""
+
+    def __init__(self, settings: MockJudgeSettings | None = None) -> None:
+        self.settings = settings or MockJudgeSettings()
+        self._server = _Server(self.settings)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> MockJudge:
+        if self._thread is None:
+            # a short poll interval keeps stop() fast; shutdown() waits for the next poll
+            self._thread = threading.Thread(
+                target=self._server.serve_forever,
+                kwargs={"poll_interval": 0.05},
+                name="mock-judge",
+                daemon=True,
+            )
+            self._thread.start()
+        return self
+
+    def stats(self) -> dict[str, int]:
+        return self._server.judge.stats()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._server.shutdown()
+            self._thread.join()
+        self._server.server_close()
+        self._server.judge.stopping.set()
+
+    def __enter__(self) -> MockJudge:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+class MockJudgeProcess:
+    """The mock judge in a subprocess, so it has its own GIL and CPU time; see spawn()."""
+
+    def __init__(self, process: subprocess.Popen[str], url: str) -> None:
+        self.process = process
+        self.url = url
+
+    def stats(self) -> dict[str, int]:
+        with urllib.request.urlopen(f"{self.url}/stats", timeout=10) as response:
+            return json.load(response)
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would: for failover tests."""
+        self.process.kill()
+        self.process.wait()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        if self.process.stdout:
+            self.process.stdout.close()
+
+    def __enter__(self) -> MockJudgeProcess:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def spawn(settings: MockJudgeSettings | None = None, timeout_s: float = 10.0) -> MockJudgeProcess:
+    """Run the mock judge as `python -m qreward_queue.mock_judge` and wait for its URL."""
+    settings = settings or MockJudgeSettings()
+    options = [
+        arg
+        for field in fields(settings)
+        for arg in (f"--{field.name.replace('_', '-')}", str(getattr(settings, field.name)))
+    ]
+    # make the package importable whatever the caller's working directory is
+    paths = [str(Path(__file__).absolute().parents[1]), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths))}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "qreward_queue.mock_judge", *options],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    stdout = process.stdout
+    assert stdout is not None
+    threading.Thread(target=lambda: lines.put(stdout.readline()), daemon=True).start()
+    try:
+        line = lines.get(timeout=timeout_s)
+    except queue.Empty:
+        line = None
+    match = re.search(r"listening on (http://\S+)", line or "")
+    if match:
+        return MockJudgeProcess(process, match.group(1))
+    process.kill()
+    process.wait()
+    if line is None:
+        raise RuntimeError(f"mock judge did not print its URL within {timeout_s:g} s")
+    if not line:
+        raise RuntimeError(f"mock judge exited with code {process.returncode} before starting")
+    raise RuntimeError(f"mock judge printed {line.strip()!r} instead of its URL")
+
+
+_DEFAULTS = MockJudgeSettings()
+
+
+@click.command("mock-judge")
+@click.option("--host", default=_DEFAULTS.host, show_default=True, help="Interface to bind.")
+@click.option("--port", default=_DEFAULTS.port, show_default=True, help="0 picks a free port.")
+@click.option("--rpm", type=float, default=_DEFAULTS.rpm, help="Requests/min, 0 = no limit.")
+@click.option("--tpm", type=float, default=_DEFAULTS.tpm, help="Tokens/min, 0 = no limit.")
+@click.option(
+    "--max-concurrent", default=_DEFAULTS.max_concurrent, help="Requests in flight, 0 = no limit."
+)
+@click.option(
+    "--latency-ms",
+    type=float,
+    default=_DEFAULTS.latency_ms,
+    show_default=True,
+    help="Mean latency.",
+)
+@click.option(
+    "--latency-cv",
+    type=float,
+    default=_DEFAULTS.latency_cv,
+    show_default=True,
+    help="Coefficient of variation of the lognormal latency, 0 = constant.",
+)
+@click.option(
+    "--error-rate",
+    type=float,
+    default=_DEFAULTS.error_rate,
+    help="Fraction of admitted requests answered 500.",
+)
+@click.option(
+    "--hang-rate",
+    type=float,
+    default=_DEFAULTS.hang_rate,
+    help="Fraction of admitted requests that hang.",
+)
+@click.option(
+    "--hang-s",
+    type=float,
+    default=_DEFAULTS.hang_s,
+    show_default=True,
+    help="Seconds a hang lasts.",
+)
+@click.option("--seed", default=_DEFAULTS.seed, show_default=True, help="Seed of the fault RNG.")
+def mock_judge_cli(**options: Any) -> None:
+    """Serve a rate-limited, OpenAI-compatible mock LLM judge until SIGINT or SIGTERM."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    judge = MockJudge(MockJudgeSettings(**options)).start()
+    click.echo(f"mock judge listening on {judge.url}")  # click.echo flushes; spawn() waits on it
+    try:
+        while True:
+            signal.pause()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        judge.stop()
+
+
+if __name__ == "__main__":
+    mock_judge_cli()

@@ -1,0 +1,1 @@
+"""Built-in CPU rewards, usable as `function` backends."""

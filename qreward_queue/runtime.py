@@ -1,0 +1,54 @@
+"""The process-wide app a trainer's calls go through, built once from the configuration."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+from .app import EmbeddedWorker, QrqCelery
+from .config import Config, load_config
+
+_lock = threading.Lock()
+_app: QrqCelery | None = None
+_worker: EmbeddedWorker | None = None
+MAX_EMBEDDED_THREADS = 256
+
+
+def configure(config: Config | str | os.PathLike[str] | None = None) -> QrqCelery:
+    """Build the app for `config` (a Config, a path, or None for the default lookup).
+
+    In embedded mode this also starts the in-process worker threads.
+    """
+    global _app, _worker
+    if not isinstance(config, Config):
+        config = load_config(Path(config) if config else None)
+    with _lock:
+        if _worker is not None:
+            _worker.stop()
+            _worker = None
+        _app = QrqCelery(config)
+        if config.embedded and config.backends:
+            threads = sum(b.pool.concurrency for b in config.backends.values())
+            _worker = EmbeddedWorker(_app, min(threads, MAX_EMBEDDED_THREADS))
+        return _app
+
+
+def get_app() -> QrqCelery:
+    """The configured app, built from the default configuration on first use."""
+    return _app if _app is not None else configure()
+
+
+def describe_mode(config: Config) -> str:
+    """One line saying which mode runs (and where Redis is, without its password)."""
+    if config.embedded:
+        return (
+            "qrq: embedded mode (in-memory broker, in-process workers; "
+            "set QRQ_REDIS_URL for distributed mode)"
+        )
+    parts = urlsplit(config.redis_url)
+    netloc = parts.hostname or ""
+    if parts.port:
+        netloc += f":{parts.port}"
+    return f"qrq: distributed mode (Redis at {urlunsplit(parts._replace(netloc=netloc))})"

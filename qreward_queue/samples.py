@@ -1,0 +1,85 @@
+"""Samples in, outcomes out: the two records that cross the queue, and sample validation."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from .errors import InvalidSamples
+
+Status = Literal["ok", "cached", "fallback", "timeout", "error"]
+STATUSES: tuple[str, ...] = ("ok", "cached", "fallback", "timeout", "error")
+DEFAULT_MAX_SAMPLE_BYTES = 1 << 20
+
+_REQUIRED_TEXT = ("prompt", "response")
+_OPTIONAL_TEXT = ("reference", "data_source")
+_KNOWN_KEYS = frozenset({*_REQUIRED_TEXT, *_OPTIONAL_TEXT, "extra", "id"})
+
+
+@dataclass
+class Outcome:
+    """What became of one sample. A fallback score always comes with its status and reason."""
+
+    score: float
+    status: Status = "ok"
+    backend: str | None = None
+    attempts: int = 0
+    latency_ms: float = 0.0
+    error: str | None = None
+    detail: str | None = None
+    id: Any = field(default=None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Outcome:
+        return cls(**{k: data.get(k) for k in cls.__dataclass_fields__ if k in data})
+
+    @property
+    def scored(self) -> bool:
+        """True when the score came from a backend (now or from the cache)."""
+        return self.status in ("ok", "cached")
+
+
+def sample_problem(sample: Any, max_bytes: int = DEFAULT_MAX_SAMPLE_BYTES) -> str | None:
+    """Why `sample` cannot be scored, or None when it is fine."""
+    if not isinstance(sample, dict):
+        return f"expected a dict with 'prompt' and 'response', got {type(sample).__name__}"
+    for key in _REQUIRED_TEXT:
+        if key not in sample:
+            return f"missing field '{key}'"
+        if not isinstance(sample[key], str):
+            return f"field '{key}' must be a string, got {type(sample[key]).__name__}"
+    for key in _OPTIONAL_TEXT:
+        if sample.get(key) is not None and not isinstance(sample[key], str):
+            return f"field '{key}' must be a string, got {type(sample[key]).__name__}"
+    unknown = sorted(set(sample) - _KNOWN_KEYS)
+    if unknown:
+        return f"unknown field(s) {', '.join(map(repr, unknown))}"
+    extra = sample.get("extra")
+    if extra is not None and not isinstance(extra, dict):
+        return f"field 'extra' must be a JSON object, got {type(extra).__name__}"
+    try:
+        size = len(json.dumps(sample, allow_nan=False).encode("utf-8"))
+    except (TypeError, ValueError) as exc:
+        return f"not JSON-serializable ({exc})"
+    if size > max_bytes:
+        return f"{size} bytes exceeds the {max_bytes}-byte cap per sample"
+    return None
+
+
+def validate_samples(
+    samples: Sequence[Any], max_bytes: int = DEFAULT_MAX_SAMPLE_BYTES, raise_errors: bool = True
+) -> dict[int, str]:
+    """Check every sample; raise InvalidSamples naming each bad index, or return them."""
+    if isinstance(samples, (str, bytes, dict)) or not isinstance(samples, Sequence):
+        raise InvalidSamples({-1: f"samples must be a list of dicts, got {type(samples).__name__}"})
+    problems = {
+        i: why for i, s in enumerate(samples) if (why := sample_problem(s, max_bytes)) is not None
+    }
+    if problems and raise_errors:
+        raise InvalidSamples(problems)
+    return problems

@@ -1,0 +1,368 @@
+"""Unit tests of the global limiter on fakeredis, which runs the same Lua (Lua 5.1, TIME).
+
+Waits are read from the grants: the `sleeps` fixture records `time.sleep` instead of sleeping,
+so the booked schedule can be checked exactly and fast. Real timing is in test_limiter_redis.py.
+"""
+
+from __future__ import annotations
+
+import time
+
+import fakeredis
+import pytest
+import redis
+
+from qreward_queue.limiter import Limiter, LimiterBusy, backend_status, estimate_tokens
+from qreward_queue.ratelimit_headers import RateLimitHeaders, parse_duration, parse_retry_after
+
+
+@pytest.fixture
+def fake() -> fakeredis.FakeRedis:
+    return fakeredis.FakeRedis(server=fakeredis.FakeServer())
+
+
+@pytest.fixture
+def sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    slept: list[float] = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    return slept
+
+
+def book(limiter: Limiter, tokens: float = 0, max_wait_s: float = 60.0) -> float:
+    """Acquire and release at once; return the granted wait."""
+    with limiter.acquire(tokens=tokens, max_wait_s=max_wait_s) as grant:
+        return grant.wait_s
+
+
+# --- headers -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("text", "seconds"), [
+    ("20ms", 0.02), ("1s", 1.0), ("1.5s", 1.5), ("6m0s", 360.0), ("1h2m3.5s", 3723.5),
+    ("0s", 0.0), ("250us", 0.00025), (" 7 ", 7.0), ("0.5", 0.5),
+])
+def test_parse_duration(text: str, seconds: float) -> None:
+    assert parse_duration(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("text", ["", "soon", "1x", "-1s", "s", "1s2", "nan", "-3", "inf"])
+def test_parse_duration_rejects_garbage(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_duration(text)
+
+
+def test_parse_retry_after_seconds_and_http_date() -> None:
+    assert parse_retry_after("2") == 2.0
+    assert parse_retry_after("0.25") == 0.25
+    assert parse_retry_after("Wed, 21 Oct 2015 07:28:10 GMT", now=1445412480.0) == 10.0
+    assert parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT", now=1445412490.0) == 0.0
+    with pytest.raises(ValueError):
+        parse_retry_after("later")
+
+
+def test_headers_case_insensitive_and_garbage_is_none() -> None:
+    h = RateLimitHeaders.from_headers({
+        "X-RateLimit-Limit-Requests": "3000", "x-ratelimit-limit-tokens": "lots",
+        "X-RATELIMIT-REMAINING-REQUESTS": "2999", "x-ratelimit-remaining-tokens": "-5",
+        "x-ratelimit-reset-requests": "20ms", "x-ratelimit-reset-tokens": "6m0s",
+        "Retry-After": "Thu, 32 Foo",
+    })
+    assert h == RateLimitHeaders(limit_requests=3000.0, remaining_requests=2999.0,
+                                 reset_requests_s=0.02, reset_tokens_s=360.0)
+    assert RateLimitHeaders.from_headers(None) == RateLimitHeaders()
+
+
+def test_retry_after_ms_wins_over_retry_after() -> None:
+    h = RateLimitHeaders.from_headers({"retry-after": "3", "retry-after-ms": "1500"})
+    assert h.retry_after_s == 1.5
+
+
+def test_estimate_tokens() -> None:
+    assert estimate_tokens("abcde") == 2
+    assert estimate_tokens("", max_output_tokens=16) == 16
+    assert estimate_tokens("a" * 400, 100) == 200
+
+
+# --- buckets -------------------------------------------------------------------------------
+
+def test_keys_share_one_hash_tag(fake: fakeredis.FakeRedis) -> None:
+    limiter = Limiter(fake, "judge-a", rpm=600, max_concurrent=2)
+    with limiter.acquire():
+        limiter.feedback(429, None)
+        assert set(fake.keys()) == {b"qrq:{judge-a}:bucket", b"qrq:{judge-a}:leases",
+                                    b"qrq:{judge-a}:aimd", b"qrq:{judge-a}:recent429"}
+    assert fake.zcard("qrq:{judge-a}:leases") == 0
+
+
+def test_burst_then_steady_rate(fake: fakeredis.FakeRedis, sleeps: list[float]) -> None:
+    # Given rpm 600 (0.01/ms) with 1 s of burst: a full bucket holds 10 requests
+    limiter = Limiter(fake, "b", rpm=600)
+    waits = [book(limiter) for _ in range(13)]
+    # Then 10 start at once and each later one is booked 100 ms after the previous
+    assert waits[:10] == [0.0] * 10
+    assert waits[10:] == pytest.approx([0.1, 0.2, 0.3], abs=0.02)
+
+
+def test_refused_request_takes_nothing(fake: fakeredis.FakeRedis, sleeps: list[float]) -> None:
+    limiter = Limiter(fake, "b", rpm=60, max_concurrent=5)  # capacity 1, 1 per second
+    assert book(limiter) == 0.0
+    before = limiter.status()["limits"]["rpm"]["level"]
+    with pytest.raises(LimiterBusy) as busy, limiter.acquire(max_wait_s=0.5):
+        pass
+    assert busy.value.wait_s == pytest.approx(1.0, abs=0.05)
+    assert busy.value.reason == "rpm"
+    assert limiter.status()["limits"]["rpm"]["level"] == pytest.approx(before, abs=0.05)
+    assert limiter.status()["leases_in_use"] == 0
+
+
+def test_weighted_and_fractional_tpm(fake: fakeredis.FakeRedis, sleeps: list[float]) -> None:
+    limiter = Limiter(fake, "b", tpm=60_000)  # 1 token/ms, capacity 1000
+    assert book(limiter, tokens=700) == 0.0
+    assert book(limiter, tokens=300.5) == pytest.approx(0.0005, abs=0.01)
+    # a fractional cost is booked exactly: the level is now about -0.5
+    assert limiter.status()["limits"]["tpm"]["level"] == pytest.approx(-0.5, abs=20)
+    assert book(limiter, tokens=400) == pytest.approx(0.4, abs=0.02)
+
+
+def test_cost_above_capacity_waits_then_others_queue_behind(
+    fake: fakeredis.FakeRedis, sleeps: list[float]
+) -> None:
+    limiter = Limiter(fake, "b", tpm=60_000)  # capacity 1000 tokens
+    big = book(limiter, tokens=2500)
+    assert big == pytest.approx((2500 - 1000) / 1000, abs=0.02)
+    small = book(limiter, tokens=100)  # arrives later, is served after the big one
+    assert small == pytest.approx(big + 0.1, abs=0.02)
+
+
+def test_a_tpm_wait_does_not_let_rpm_burst(fake: fakeredis.FakeRedis, sleeps: list[float]) -> None:
+    # Given rpm 600 (burst 10) and a big TPM request that makes everyone wait 2 s
+    limiter = Limiter(fake, "b", rpm=600, tpm=60_000)
+    starts = [book(limiter, tokens=3000)] + [book(limiter, tokens=10) for _ in range(30)]
+    assert starts[0] == pytest.approx(2.0, abs=0.02) and starts == sorted(starts)
+    # Then calls booked during the wait still start within RPM: burst 10, then 10 per second
+    assert max(sum(t <= s < t + 1 for s in starts) for t in starts) <= 10 + 10 + 1
+    assert starts[-1] - starts[0] == pytest.approx((31 - 10) / 10, abs=0.1)
+
+
+def test_settle_refunds_and_charges(fake: fakeredis.FakeRedis, sleeps: list[float]) -> None:
+    limiter = Limiter(fake, "b", rpm=600, tpm=60_000)
+    with limiter.acquire(tokens=800) as grant:
+        grant.settle(actual_tokens=300)  # refund 500
+        level = limiter.status()["limits"]["tpm"]["level"]
+        assert level == pytest.approx(700, abs=20)
+        grant.settle(actual_tokens=2300)  # charged relative to the last settle: -2000
+    assert limiter.status()["limits"]["tpm"]["level"] == pytest.approx(-1300, abs=40)
+    assert limiter.status()["limits"]["rpm"]["level"] == pytest.approx(9, abs=0.1)
+
+
+def test_settle_is_capped_and_noop_without_tpm(fake: fakeredis.FakeRedis) -> None:
+    limiter = Limiter(fake, "b", tpm=60_000)
+    with limiter.acquire(tokens=10) as grant:
+        grant.settle(actual_tokens=-5000)
+    assert limiter.status()["limits"]["tpm"]["level"] == 1000
+    rpm_only = Limiter(fake, "c", rpm=60)
+    with rpm_only.acquire(tokens=10) as grant:
+        grant.settle(actual_tokens=99999)
+    assert rpm_only.status()["limits"]["rpm"]["level"] == pytest.approx(0, abs=0.05)
+
+
+def test_bucket_expires_once_full_again(fake: fakeredis.FakeRedis) -> None:
+    limiter = Limiter(fake, "b", rpm=600)  # one request refills in 100 ms
+    with limiter.acquire():
+        assert 1000 < fake.pttl("qrq:{b}:bucket") <= 1100
+        assert 60_000 < fake.pttl("qrq:{b}:leases") <= 61_000
+
+
+# --- leases --------------------------------------------------------------------------------
+
+def test_no_free_lease_polls_then_gives_up(fake: fakeredis.FakeRedis, sleeps: list[float]) -> None:
+    limiter = Limiter(fake, "b", max_concurrent=2)
+    with limiter.acquire(), limiter.acquire():
+        with pytest.raises(LimiterBusy) as busy, limiter.acquire(max_wait_s=0.2):
+            pass
+        assert busy.value.reason == "lease"
+        assert sleeps and all(s <= 0.04 for s in sleeps)  # short, jittered polls
+        assert limiter.status()["leases_in_use"] == 2
+    assert limiter.status()["leases_in_use"] == 0
+    assert book(limiter) == 0.0
+
+
+def test_lease_released_when_the_block_raises(fake: fakeredis.FakeRedis) -> None:
+    limiter = Limiter(fake, "b", max_concurrent=1)
+    with pytest.raises(RuntimeError), limiter.acquire():
+        raise RuntimeError("backend exploded")
+    assert limiter.status()["leases_in_use"] == 0
+
+
+def test_abandoned_lease_expires_after_ttl(fake: fakeredis.FakeRedis) -> None:
+    limiter = Limiter(fake, "b", max_concurrent=1, lease_ttl_s=0.3)
+    held = limiter.acquire()
+    held.__enter__()  # never exits: like a killed worker
+    with pytest.raises(LimiterBusy), limiter.acquire(max_wait_s=0.1):
+        pass
+    time.sleep(0.3)
+    with limiter.acquire(max_wait_s=0.1) as grant:
+        assert grant.wait_s == 0.0
+
+
+# --- feedback: pause, header sync, AIMD -------------------------------------------------------
+
+def test_429_pauses_new_and_booked_requests(
+    fake: fakeredis.FakeRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    limiter = Limiter(fake, "b", rpm=600)  # capacity 10
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:  # another worker gets a 429 while this one sleeps
+        if not slept:
+            limiter.feedback(429, {"Retry-After": "2"})
+        slept.append(seconds)
+
+    for _ in range(10):
+        book(limiter)
+    monkeypatch.setattr(time, "sleep", sleep)
+    # Given a request booked 100 ms ahead, when the 429 comes during its wait,
+    # then it sleeps its wait and then the pause on top of it
+    assert book(limiter) == pytest.approx(0.1, abs=0.02)
+    assert slept == pytest.approx([0.1, 2.0], abs=0.02)
+    status = limiter.status()
+    assert status["paused_for_s"] == pytest.approx(2.0, abs=0.05)
+    assert status["recent_429s"] == 1
+    # and a new request waits out the pause plus the moved schedule
+    assert book(limiter) == pytest.approx(2.0 + 0.1 + 0.1, abs=0.05)
+
+
+def test_a_burst_of_429s_pauses_once(fake: fakeredis.FakeRedis, sleeps: list[float]) -> None:
+    limiter = Limiter(fake, "b", rpm=600)
+    for _ in range(5):  # five calls in flight all come back 429
+        limiter.feedback(429, {"Retry-After": "2"})
+    assert limiter.status()["paused_for_s"] == pytest.approx(2.0, abs=0.05)
+    assert book(limiter) == pytest.approx(2.0 + 0.1, abs=0.05)
+    limiter.feedback(429, {"Retry-After": "3"})  # a longer one extends the pause
+    assert limiter.status()["paused_for_s"] == pytest.approx(3.0, abs=0.05)
+    assert book(limiter) == pytest.approx(3.0 + 0.2, abs=0.05)
+
+
+@pytest.mark.parametrize(("headers", "pause"), [
+    ({"retry-after": "3"}, 3.0),
+    ({"x-ratelimit-remaining-requests": "0", "x-ratelimit-reset-requests": "1.5s",
+      "x-ratelimit-remaining-tokens": "5000", "x-ratelimit-reset-tokens": "20s"}, 1.5),
+    ({}, 1.0),
+])
+def test_429_pause_length(fake: fakeredis.FakeRedis, headers: dict, pause: float) -> None:
+    limiter = Limiter(fake, "b", rpm=600, tpm=60_000)
+    limiter.feedback(429, headers)
+    assert limiter.status()["paused_for_s"] == pytest.approx(pause, abs=0.05)
+
+
+def test_manual_pause_drops_the_burst(fake: fakeredis.FakeRedis, sleeps: list[float]) -> None:
+    limiter = Limiter(fake, "b", rpm=600)
+    limiter.pause(0.5)
+    assert book(limiter) == pytest.approx(0.6, abs=0.02)
+
+
+def test_429_pauses_a_backend_without_rate_limits(
+    fake: fakeredis.FakeRedis, sleeps: list[float]
+) -> None:
+    limiter = Limiter(fake, "b", max_concurrent=4)
+    limiter.feedback(429, {"retry-after": "1"})
+    with limiter.acquire() as grant:
+        assert grant.wait_s == pytest.approx(1.0, abs=0.02)
+    with pytest.raises(LimiterBusy) as busy, limiter.acquire(max_wait_s=0.5):
+        pass
+    assert busy.value.reason == "paused"
+
+
+def test_remaining_header_lowers_the_level(fake: fakeredis.FakeRedis, sleeps: list[float]) -> None:
+    limiter = Limiter(fake, "b", rpm=600, tpm=60_000)
+    limiter.feedback(200, {"x-ratelimit-remaining-requests": "3",
+                           "x-ratelimit-remaining-tokens": "900000",
+                           "x-ratelimit-reset-tokens": "6m0s"})
+    status = limiter.status()["limits"]
+    assert status["rpm"]["level"] == pytest.approx(3, abs=0.1)
+    assert status["tpm"]["level"] == 1000  # a higher remaining changes nothing
+    assert status["tpm"]["reset_in_s"] == pytest.approx(360, abs=1)
+    assert [book(limiter) for _ in range(4)][-1] == pytest.approx(0.1, abs=0.02)
+
+
+def test_limit_header_lowers_the_rate_until_it_rises(fake: fakeredis.FakeRedis) -> None:
+    limiter = Limiter(fake, "b", rpm=6000)
+    limiter.feedback(200, {"x-ratelimit-limit-requests": "3000"})
+    rpm = limiter.status()["limits"]["rpm"]
+    assert (rpm["per_minute"], rpm["capacity"], rpm["configured_per_minute"]) == (3000, 50, 6000)
+    limiter.feedback(200, {"x-ratelimit-limit-requests": "9000"})  # never above the config
+    assert limiter.status()["limits"]["rpm"]["per_minute"] == 6000
+
+
+def test_aimd_halves_once_per_cooldown_and_recovers(fake: fakeredis.FakeRedis) -> None:
+    limiter = Limiter(fake, "b", max_concurrent=16, aimd_cooldown_s=0.2)
+    for _ in range(5):  # one burst of 429s halves once
+        limiter.feedback(429, {"retry-after": "0"})
+    assert limiter.status()["adaptive_limit"] == 8
+    time.sleep(0.25)
+    limiter.feedback(None, None, timed_out=True)
+    assert limiter.status()["adaptive_limit"] == 4
+    for expected in (5, 6):
+        for _ in range(expected - 1):  # `limit` successes add one
+            limiter.feedback(200, None)
+        assert limiter.status()["adaptive_limit"] == expected
+    for _ in range(200):
+        limiter.feedback(200, None)
+    assert limiter.status()["adaptive_limit"] == 16  # capped at the configured maximum
+
+
+def test_aimd_floor_and_lease_cap(fake: fakeredis.FakeRedis, sleeps: list[float]) -> None:
+    limiter = Limiter(fake, "b", max_concurrent=3, aimd_cooldown_s=0)
+    for _ in range(4):
+        limiter.feedback(429, {"retry-after": "0"})
+    assert limiter.status()["adaptive_limit"] == 1
+    with limiter.acquire(), pytest.raises(LimiterBusy), limiter.acquire(max_wait_s=0.1):
+        pass
+
+
+def test_no_aimd_without_max_concurrent(fake: fakeredis.FakeRedis) -> None:
+    limiter = Limiter(fake, "b", rpm=600)
+    limiter.feedback(429, {"retry-after": "0"})
+    limiter.feedback(500, {"x-ratelimit-remaining-requests": "1"})
+    status = limiter.status()
+    assert (status["adaptive_limit"], status["max_concurrent"]) == (None, None)
+    assert status["limits"]["rpm"]["level"] == pytest.approx(1, abs=0.1)
+
+
+# --- Redis outages and status -----------------------------------------------------------------
+
+class FlakyRedis(fakeredis.FakeRedis):
+    """Fails every command with ConnectionError while `down` is positive (counting down)."""
+
+    down = 0
+
+    def execute_command(self, *args, **kwargs):
+        if self.down > 0:
+            self.down -= 1
+            raise redis.ConnectionError("connection refused (test)")
+        return super().execute_command(*args, **kwargs)
+
+
+def test_waits_out_a_redis_outage(sleeps: list[float]) -> None:
+    client = FlakyRedis(server=fakeredis.FakeServer())
+    limiter = Limiter(client, "b", rpm=600, max_concurrent=2)
+    client.down = 4
+    assert book(limiter) == 0.0
+    assert len(sleeps) == 4 and sleeps == sorted(sleeps)  # growing backoff
+
+
+def test_raises_after_outage_wait() -> None:
+    client = FlakyRedis(server=fakeredis.FakeServer())
+    limiter = Limiter(client, "b", rpm=600, outage_wait_s=0.3)
+    client.down = 10**6
+    started = time.monotonic()
+    with pytest.raises(redis.ConnectionError):
+        limiter.status()
+    assert 0.3 <= time.monotonic() - started < 1.0
+
+
+def test_backend_status_reads_the_stored_limits(fake: fakeredis.FakeRedis) -> None:
+    Limiter(fake, "a", rpm=600, tpm=60_000, burst_s=2).pause(1)
+    (a, unknown) = backend_status(fake, ["a", "never-used"])
+    assert a["limits"]["rpm"]["capacity"] == 20 and a["limits"]["tpm"]["per_minute"] == 60_000
+    assert a["paused_for_s"] == pytest.approx(1, abs=0.05)
+    assert unknown["limits"] == {} and unknown["leases_in_use"] == 0
