@@ -526,6 +526,9 @@ class MockJudge:
     def stats(self) -> dict[str, int]:
         return self._server.judge.stats()
 
+    def reset(self) -> None:
+        self._server.judge.reset()
+
     def stop(self) -> None:
         if self._thread is not None:
             self._server.shutdown()
@@ -550,6 +553,11 @@ class MockJudgeProcess:
     def stats(self) -> dict[str, int]:
         with urllib.request.urlopen(f"{self.url}/stats", timeout=10) as response:
             return json.load(response)
+
+    def reset(self) -> None:
+        """Zero the counters, e.g. between two runs against the same server."""
+        request = urllib.request.Request(f"{self.url}/stats/reset", data=b"", method="POST")
+        urllib.request.urlopen(request, timeout=10).close()
 
     def kill(self) -> None:
         """SIGKILL, as a crash would: for failover tests."""
