@@ -118,18 +118,10 @@ def demo_workers(config: Config, names: list[str]):
     if config.embedded:
         yield
         return
+    command = [sys.executable, "-m", "qreward_queue.cli", "worker", "--loglevel", "WARNING"]
     procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "qreward_queue.cli",
-                "worker",
-                config.backend(n).source,
-                "--loglevel",
-                "WARNING",
-            ]
-        )
+        subprocess.Popen([*command, config.backend(n).source], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
         for n in names
     ]
     try:
