@@ -16,6 +16,7 @@ from kombu import Queue
 
 from . import tasks
 from .config import Backend, Config
+from .limiter import Limiter
 
 PRIORITIES = {"val": 0, "train": 6, "bulk": 9}  # on Redis 0 is served first
 
@@ -26,6 +27,7 @@ class QrqCelery(Celery):
     def __init__(self, config: Config):
         super().__init__("qreward_queue")
         self.qrq_config = config
+        self._limiters: dict[str, Limiter | None] = {}
         self.conf.update(celery_settings(config))
         self.conf.task_queues = [
             Queue(b.queue, routing_key=b.queue) for b in config.backends.values()
@@ -48,6 +50,26 @@ class QrqCelery(Celery):
 
     def backend_config(self, name: str) -> Backend:
         return self.qrq_config.backend(name)
+
+    def limiter(self, name: str) -> Limiter | None:
+        """The global limiter of backend `name` (None when its file sets no limits)."""
+        if name not in self._limiters:
+            b = self.backend_config(name)
+            limits = b.limits
+            self._limiters[name] = (
+                None
+                if not (limits.rpm or limits.tpm or limits.max_concurrent)
+                else Limiter(
+                    self.store,
+                    name,
+                    rpm=limits.rpm,
+                    tpm=limits.tpm,
+                    max_concurrent=limits.max_concurrent,
+                    burst_s=limits.burst_s,
+                    lease_ttl_s=b.timeout_s + 10.0,
+                )
+            )
+        return self._limiters[name]
 
 
 def celery_settings(config: Config) -> dict:

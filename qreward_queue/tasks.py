@@ -28,24 +28,6 @@ def _client(config: Backend) -> BackendClient:
     return make_backend(config)
 
 
-def _limiter(app, config: Backend) -> Limiter | None:
-    limits = config.limits
-    if not (limits.rpm or limits.tpm or limits.max_concurrent):
-        return None
-    cache_ = app.__dict__.setdefault("_qrq_limiters", {})
-    if config.name not in cache_:
-        cache_[config.name] = Limiter(
-            app.store,
-            config.name,
-            rpm=limits.rpm,
-            tpm=limits.tpm,
-            max_concurrent=limits.max_concurrent,
-            burst_s=limits.burst_s,
-            lease_ttl_s=config.timeout_s + 10.0,
-        )
-    return cache_[config.name]
-
-
 def backoff_s(policy: Retry, attempt: int) -> float:
     """Exponential backoff with full jitter: uniform in [0, min(cap, base * 2**(attempt-1))]."""
     delay = min(policy.backoff_cap_s, policy.backoff_base_s * 2 ** (attempt - 1))
@@ -174,7 +156,7 @@ def score_chunk(
     fallback = self.app.qrq_config.fallback_score
     done = list(done) if done else [None] * len(samples)
     todo = [i for i, o in enumerate(done) if o is None]
-    runner = ChunkRunner(config, _limiter(self.app, config), deadline)
+    runner = ChunkRunner(config, self.app.limiter(backend), deadline)
     outcomes, retryable = runner.run([samples[i] for i in todo])
     for pos, outcome in zip(todo, outcomes, strict=True):
         if outcome is not None:

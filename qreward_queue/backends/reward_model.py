@@ -1,4 +1,4 @@
-"""A reward-model HTTP server: `POST url {"items": [{prompt, response}, ...]}` -> `{"scores": [...]}`."""
+"""A reward-model server: `POST url {"items": [{prompt, response}, ...]}` -> `{"scores": [...]}`."""
 
 from __future__ import annotations
 
