@@ -15,6 +15,7 @@ from celery import Celery
 from kombu import Queue
 
 from . import tasks
+from .breaker import CircuitBreaker
 from .config import Backend, Config
 from .limiter import Limiter
 
@@ -28,6 +29,7 @@ class QrqCelery(Celery):
         super().__init__("qreward_queue")
         self.qrq_config = config
         self._limiters: dict[str, Limiter | None] = {}
+        self._breakers: dict[str, CircuitBreaker] = {}
         self.conf.update(celery_settings(config))
         self.conf.task_queues = [
             Queue(b.queue, routing_key=b.queue) for b in config.backends.values()
@@ -70,6 +72,14 @@ class QrqCelery(Celery):
                 )
             )
         return self._limiters[name]
+
+    def breaker(self, name: str) -> CircuitBreaker:
+        """The circuit breaker of backend `name`, shared by every process through the store."""
+        if name not in self._breakers:
+            retry = self.backend_config(name).retry
+            self._breakers[name] = CircuitBreaker(self.store, name, retry.breaker_threshold,
+                                                  retry.breaker_cooldown_s)
+        return self._breakers[name]
 
 
 def celery_settings(config: Config) -> dict:

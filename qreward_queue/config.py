@@ -58,6 +58,8 @@ class Retry:
     backoff_base_s: float = 0.5
     backoff_cap_s: float = 10.0
     jitter: bool = True
+    breaker_threshold: int = 5
+    breaker_cooldown_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -247,6 +249,8 @@ def _retry(t: _Table) -> Retry:
         backoff_base_s=t.number("backoff_base_s", Retry.backoff_base_s, allow_zero=True),
         backoff_cap_s=t.number("backoff_cap_s", Retry.backoff_cap_s, allow_zero=True),
         jitter=t.get("jitter", bool, Retry.jitter),
+        breaker_threshold=t.integer("breaker_threshold", Retry.breaker_threshold),
+        breaker_cooldown_s=t.number("breaker_cooldown_s", Retry.breaker_cooldown_s),
     )
     t.finish()
     return retry

@@ -1,8 +1,10 @@
 """The worker side of the data path: score one chunk of samples on one backend.
 
-score_chunk -> for each call of the chunk: limiter.acquire -> backend.call -> outcomes
-            -> retryable failures: retry here (backoff), then fail over to a sibling
-               backend of the route (Celery retry onto its queue), else an explicit error
+    score_chunk -> for each call of the chunk: breaker.allow -> limiter.acquire -> backend.call
+        429               -> the limiter pauses everyone for Retry-After; the call is tried again
+        timeout, 5xx, ... -> Celery retry of what is left, with backoff; after `attempts`,
+                             Celery retry onto a sibling backend's queue (failover)
+        4xx, bad verdict  -> an explicit `error` outcome at once (a batch call is split first)
 """
 
 from __future__ import annotations
@@ -12,14 +14,15 @@ import time
 from contextlib import nullcontext
 from functools import cache
 
-from .backends import BackendClient, make_backend
+from .backends import BackendClient, Call, make_backend
+from .breaker import CircuitBreaker
 from .config import Backend, Retry
-from .errors import PermanentError, RateLimited, RetryableError, ScoringError
+from .errors import PermanentError, RateLimited, RetryableError, ScoringError, TransientError
 from .limiter import Limiter, LimiterBusy
 from .samples import Outcome
 
 TASK_NAME = "qrq.score_chunk"
-MAX_THROTTLED_ATTEMPTS = 20
+MAX_THROTTLED_CALLS = 20
 MAX_LIMITER_WAIT_S = 30.0
 
 
@@ -35,150 +38,152 @@ def backoff_s(policy: Retry, attempt: int) -> float:
 
 
 class ChunkRunner:
-    """Runs the calls of one chunk on one backend, under the global limiter, with retries."""
+    """Makes each call of one chunk once, under the breaker and the global limiter.
 
-    def __init__(self, config: Backend, limiter: Limiter | None, deadline: float | None):
-        self.config, self.limiter, self.deadline = config, limiter, deadline
+    Afterwards `outcomes` holds an Outcome per sample (None: not tried because the limiter
+    asked for a long wait, see `busy_s`) and `retryable` the positions worth another try.
+    """
+
+    def __init__(self, config: Backend, limiter: Limiter | None, breaker: CircuitBreaker | None,
+                 attempt: int):
+        self.config, self.limiter, self.breaker, self.attempt = config, limiter, breaker, attempt
         self.client = _client(config)
+        self.busy_s: float | None = None
+        self.outcomes: list[Outcome | None] = []
+        self.retryable: set[int] = set()
 
-    busy_s: float | None = None  # set when the limiter asked for a long wait
-
-    def run(self, samples: list[dict]) -> tuple[list[Outcome | None], set[int]]:
-        """Outcomes in order (None: not tried, see busy_s) and the retryable failures."""
-        outcomes: list[Outcome | None] = [None] * len(samples)
-        retryable: set[int] = set()
+    def run(self, samples: list[dict]) -> ChunkRunner:
+        self.outcomes = [None] * len(samples)
         for positions in self.client.split(samples):
             try:
-                self._run_call(samples, positions, outcomes, retryable)
-            except LimiterBusy as busy:  # leave the rest (None) for a later attempt
+                self._run_call(samples, positions)
+            except LimiterBusy as busy:
                 self.busy_s = busy.wait_s
                 break
-        return outcomes, retryable
+        return self
 
-    def _run_call(self, samples, positions, outcomes, retryable) -> None:
+    def _run_call(self, samples: list[dict], positions: list[int]) -> None:
         batch = [samples[i] for i in positions]
-        started, attempts, throttled = time.monotonic(), 0, 0
+        started, throttled = time.monotonic(), 0
         while True:
-            attempts += 1
             try:
-                call = self._limited_call(batch)
-            except RateLimited as exc:
+                call = self._guarded_call(batch)
+            except RateLimited as exc:  # flow control now holds everyone back; go again
                 throttled += 1
-                if throttled < MAX_THROTTLED_ATTEMPTS and self._time_left(0.0):
-                    continue  # the limiter now holds everyone back for Retry-After
-                error = exc
-            except RetryableError as exc:
-                wait = backoff_s(self.config.retry, attempts - throttled)
-                if attempts - throttled < self.config.retry.attempts and self._time_left(wait):
-                    time.sleep(wait)
+                if throttled < MAX_THROTTLED_CALLS:
                     continue
-                error = exc
+                result: Call | ScoringError = exc
             except PermanentError as exc:
-                if len(positions) > 1:  # isolate the bad item: split and retry both halves
+                if len(positions) > 1:  # isolate the bad item: split, then each half on its own
                     half = len(positions) // 2
-                    self._run_call(samples, positions[:half], outcomes, retryable)
-                    self._run_call(samples, positions[half:], outcomes, retryable)
+                    self._run_call(samples, positions[:half])
+                    self._run_call(samples, positions[half:])
                     return
-                error = exc
+                result = exc
+            except RetryableError as exc:
+                result = exc
             else:
-                latency = (time.monotonic() - started) * 1000
-                for i, score, detail in zip(
-                    positions, call.scores, call.details or [None] * len(positions), strict=False
-                ):
-                    outcomes[i] = self._outcome(score, attempts, latency, detail)
-                return
-            latency = (time.monotonic() - started) * 1000
+                result = call
+            break
+        latency_ms = round((time.monotonic() - started) * 1000, 1)
+        attempts = self.attempt + throttled
+        if isinstance(result, ScoringError):
             for i in positions:
-                outcomes[i] = self._outcome(error, attempts, latency, error.detail)
-                if isinstance(error, RetryableError):
-                    retryable.add(i)
+                self.outcomes[i] = self._error(result, attempts, latency_ms, result.detail)
+                if isinstance(result, RetryableError):
+                    self.retryable.add(i)
             return
+        details = result.details or [None] * len(positions)
+        for i, score, detail in zip(positions, result.scores, details, strict=True):
+            self.outcomes[i] = (
+                self._error(score, attempts, latency_ms, score.detail)
+                if isinstance(score, ScoringError)
+                else Outcome(score, "ok", self.config.name, attempts, latency_ms, detail=detail)
+            )
 
-    def _limited_call(self, batch: list[dict]):
-        tokens = self.client.estimate_tokens(batch)
-        guard = (
-            self.limiter.acquire(tokens=tokens, max_wait_s=MAX_LIMITER_WAIT_S)
-            if self.limiter
-            else nullcontext()
-        )
+    def _guarded_call(self, batch: list[dict]) -> Call:
+        if self.breaker is not None and not self.breaker.allow():
+            raise TransientError(f"circuit open: backend {self.config.name!r} is cooling down")
+        guard = (self.limiter.acquire(tokens=self.client.estimate_tokens(batch),
+                                      max_wait_s=MAX_LIMITER_WAIT_S)
+                 if self.limiter else nullcontext())
         with guard as grant:
             try:
                 call = self.client.call(batch)
             except ScoringError as exc:
-                if self.limiter:
-                    self.limiter.feedback(exc.status_code, exc.headers, timed_out=exc.timed_out)
+                self._learn(exc.status_code, exc.headers, exc.timed_out,
+                            failed=isinstance(exc, TransientError))
                 raise
-            if self.limiter:
-                self.limiter.feedback(call.status_code, call.headers)
-                if call.tokens is not None:
-                    grant.settle(actual_tokens=call.tokens)
+            self._learn(call.status_code, call.headers, False, failed=False)
+            if grant is not None and call.tokens is not None:
+                grant.settle(actual_tokens=call.tokens)
             return call
 
-    def _time_left(self, needed_s: float) -> bool:
-        return self.deadline is None or time.time() + needed_s < self.deadline
+    def _learn(self, status_code, headers, timed_out: bool, failed: bool) -> None:
+        if self.limiter is not None:
+            self.limiter.feedback(status_code, headers, timed_out=timed_out)
+        if self.breaker is not None and status_code != 429:
+            self.breaker.failure() if failed else self.breaker.success()
 
-    def _outcome(self, result, attempts: int, latency_ms: float, detail) -> Outcome:
-        if isinstance(result, ScoringError):
-            return Outcome(
-                score=0.0,
-                status="error",
-                backend=self.config.name,
-                attempts=attempts,
-                latency_ms=round(latency_ms, 1),
-                error=str(result),
-                detail=detail,
-            )
-        return Outcome(
-            score=result,
-            status="ok",
-            backend=self.config.name,
-            attempts=attempts,
-            latency_ms=round(latency_ms, 1),
-            detail=detail,
-        )
+    def _error(self, error: ScoringError, attempts: int, latency_ms: float, detail) -> Outcome:
+        return Outcome(0.0, "error", self.config.name, attempts, latency_ms, error=str(error),
+                       detail=detail)
 
 
-def score_chunk(
-    self,
-    backend: str,
-    samples: list[dict],
-    route: list[str] | None = None,
-    deadline: float | None = None,
-    done: list[dict | None] | None = None,
-    tried: list[str] | None = None,
-) -> list[dict]:
-    """Score `samples` on `backend`; one outcome dict per sample, in order.
+def score_chunk(self, backend: str, samples: list[dict], route: list[str] | None = None,
+                deadline: float | None = None, done: list[dict | None] | None = None,
+                tried: list[str] | None = None, attempt: int = 1) -> list[dict]:
+    """Score `samples` on `backend`; one outcome dict per sample, in input order.
 
-    `done` carries outcomes already settled by earlier attempts of this task (a retry after a
-    long limiter wait, or a failover), so a retried task scores only what is left.
+    `done` carries outcomes settled by earlier runs of this task (after a backoff, a long
+    limiter wait or a failover), so a retried task scores only what is left.
     """
-    config = self.app.backend_config(backend)
-    fallback = self.app.qrq_config.fallback_score
+    app = self.app
+    config = app.backend_config(backend)
+    policy = config.retry
     done = list(done) if done else [None] * len(samples)
     todo = [i for i, o in enumerate(done) if o is None]
-    runner = ChunkRunner(config, self.app.limiter(backend), deadline)
-    outcomes, retryable = runner.run([samples[i] for i in todo])
-    for pos, outcome in zip(todo, outcomes, strict=True):
-        if outcome is not None:
-            outcome.score = fallback if outcome.status == "error" else outcome.score
-            outcome.id = samples[pos].get("id")
-            done[pos] = outcome.to_dict()
-    if runner.busy_s is not None:  # a long limiter wait: free this worker slot, come back later
-        raise self.retry(kwargs=dict(self.request.kwargs, done=done), countdown=runner.busy_s)
-    stuck = [todo[i] for i in sorted(retryable)]
-    tried = [*(tried or []), backend]
-    sibling = next((b for b in (route or []) if b not in tried), None)
-    if stuck and sibling is not None:
-        for pos in stuck:
-            done[pos] = None
-        raise self.retry(
-            kwargs=dict(self.request.kwargs, backend=sibling, done=done, tried=tried),
-            queue=self.app.backend_config(sibling).queue,
-            countdown=0,
-        )
-    for pos in stuck:
-        done[pos]["error"] += f" (after {done[pos]['attempts']} attempts; no sibling backend left)"
+    siblings = [b for b in (route or []) if b != backend and b not in (tried or [])]
+    breaker = app.breaker(backend) if siblings else None
+    runner = ChunkRunner(config, app.limiter(backend), breaker, attempt)
+    runner.run([samples[i] for i in todo])
+    retry_later = set()
+    for k, (pos, outcome) in enumerate(zip(todo, runner.outcomes, strict=True)):
+        if outcome is None or k in runner.retryable:
+            retry_later.add(pos)
+            continue
+        done[pos] = _settled(outcome, samples[pos], app.qrq_config.fallback_score)
+    if not retry_later:
+        return done
+    kwargs = dict(self.request.kwargs, done=done)
+    time_left = deadline is None or time.time() < deadline
+    if runner.busy_s is not None and time_left:  # a long limiter wait: free the slot meanwhile
+        raise self.retry(kwargs=kwargs, countdown=runner.busy_s)
+    circuit_open = breaker is not None and breaker.is_open()
+    if attempt < policy.attempts and time_left and not circuit_open:
+        raise self.retry(kwargs=dict(kwargs, attempt=attempt + 1),
+                         countdown=backoff_s(policy, attempt))
+    healthy = [b for b in siblings if not app.breaker(b).is_open()] or siblings
+    if healthy and time_left:
+        target = healthy[0]
+        raise self.retry(kwargs=dict(kwargs, backend=target, attempt=1,
+                                     tried=[*(tried or []), backend]),
+                         queue=app.backend_config(target).queue, countdown=0)
+    note = f" (gave up after {attempt} attempt(s) on {backend!r}; no sibling backend left)"
+    for k, pos in enumerate(todo):
+        if pos in retry_later:
+            outcome = runner.outcomes[k] or Outcome(0.0, "error", backend, attempt,
+                                                    error="not tried before the deadline")
+            done[pos] = _settled(outcome, samples[pos], app.qrq_config.fallback_score, note)
     return done
+
+
+def _settled(outcome: Outcome, sample: dict, fallback: float, note: str = "") -> dict:
+    """The outcome as it travels back: the sample's id, and the fallback score on errors."""
+    outcome.id = sample.get("id")
+    if outcome.status == "error":
+        outcome.score, outcome.error = fallback, f"{outcome.error}{note}"
+    return outcome.to_dict()
 
 
 def register(app) -> None:

@@ -128,3 +128,99 @@ class Worker:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+# --- Helpers for the end-to-end tests (test_e2e_redis, test_priority, test_worker_loss) ---
+
+
+def wait_for(predicate, timeout_s: float, what: str = "a condition", interval_s: float = 0.05):
+    """Poll `predicate` until it returns something truthy (and return that), or fail the test."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+def function_backend(function: str, *, chunk_size=16, pool="prefork", concurrency=2) -> dict:
+    """A `function` backend definition (a Python reward by import path)."""
+    return {
+        "backend": {"kind": "function", "function": function, "chunk_size": chunk_size},
+        "pool": {"type": pool, "concurrency": concurrency},
+    }
+
+
+def reward_model_backend(url: str, *, batch_size=8, concurrency=4, **backend) -> dict:
+    """A reward-model backend definition pointing at a mock judge's /v1/rewards."""
+    return {
+        "backend": {
+            "kind": "reward_model",
+            "url": url + "/v1/rewards",
+            "batch_size": batch_size,
+            "timeout_s": 10,
+            **backend,
+        },
+        "pool": {"type": "threads", "concurrency": concurrency},
+        "retry": {"attempts": 3, "backoff_base_s": 0.1, "backoff_cap_s": 1.0},
+    }
+
+
+def redis_contents(client) -> list[tuple[bytes, bytes]]:
+    """(key, stored bytes) for every value in the client's database, whatever the key's type."""
+    found = []
+    for key in client.scan_iter(count=1000):
+        kind = client.type(key)
+        if kind == b"string":
+            values = [client.get(key) or b""]
+        elif kind == b"list":
+            values = client.lrange(key, 0, -1)
+        elif kind == b"hash":
+            values = [b for pair in client.hgetall(key).items() for b in pair]
+        elif kind == b"set":
+            values = list(client.smembers(key))
+        elif kind == b"zset":
+            values = [m for m, _ in client.zrange(key, 0, -1, withscores=True)]
+        elif kind == b"stream":
+            values = [b for _, entry in client.xrange(key) for pair in entry.items() for b in pair]
+        else:  # the key expired between SCAN and TYPE
+            values = []
+        found += [(key, key)] + [(key, v) for v in values]
+    return found
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of process `pid` (from /proc, so psutil is not needed)."""
+    children: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children += [int(p) for p in (task / "children").read_text().split()]
+        except OSError:  # the thread ended meanwhile
+            continue
+    return sorted(set(children))
+
+
+def pid_alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def recording_exact_match(sample: dict) -> float:
+    """exact_match that first appends its pid to extra["pid_file"] and sleeps extra["sleep_s"].
+
+    For worker-loss tests: the test learns which pool child runs the sample and can kill it.
+    """
+    from qreward_queue.rewards.basic import exact_match
+
+    extra = sample.get("extra") or {}
+    if extra.get("pid_file"):
+        with open(extra["pid_file"], "a") as fh:
+            fh.write(f"{os.getpid()}\n")
+    time.sleep(float(extra.get("sleep_s", 0)))
+    return exact_match(sample)

@@ -1,0 +1,59 @@
+"""A circuit breaker per backend, shared in Redis by every worker and client.
+
+Closed: calls go through. After `threshold` failures in a row (timeouts, connection errors,
+5xx; every success resets the count) it opens for `cooldown_s`: the route's other backends
+get the work. When the cooldown ends it is half-open: exactly one caller gets to probe; a
+success closes it, a failure opens it again. Expiring keys keep time, so no clock is read.
+
+    qrq:{<backend>}:fails    consecutive failures (expires after a minute without one)
+    qrq:{<backend>}:open     exists while open (PX cooldown)
+    qrq:{<backend>}:tripped  exists from the first opening until a success
+    qrq:{<backend>}:probe    the one half-open probe in flight
+"""
+
+from __future__ import annotations
+
+import redis
+
+
+class CircuitBreaker:
+    """Example:
+    >>> import fakeredis
+    >>> breaker = CircuitBreaker(fakeredis.FakeRedis(), "judge-a", threshold=2, cooldown_s=30)
+    >>> breaker.failure(); breaker.failure(); breaker.allow()
+    False
+    """
+
+    def __init__(self, store: redis.Redis, backend: str, threshold: int = 5,
+                 cooldown_s: float = 30.0, probe_ttl_s: float = 60.0):
+        self.store, self.threshold = store, threshold
+        self.cooldown_ms, self.probe_ttl_ms = int(cooldown_s * 1000), int(probe_ttl_s * 1000)
+        tag = f"qrq:{{{backend}}}"
+        self.fails, self.open_key = f"{tag}:fails", f"{tag}:open"
+        self.tripped, self.probe = f"{tag}:tripped", f"{tag}:probe"
+
+    def is_open(self) -> bool:
+        """True while the backend should get no new work (cooling down)."""
+        return bool(self.store.exists(self.open_key))
+
+    def allow(self) -> bool:
+        """May this caller use the backend now? In half-open state only the one prober may."""
+        with self.store.pipeline(transaction=False) as pipe:
+            is_open, tripped = pipe.exists(self.open_key).exists(self.tripped).execute()
+        if is_open:
+            return False
+        if tripped:
+            return bool(self.store.set(self.probe, 1, nx=True, px=self.probe_ttl_ms))
+        return True
+
+    def success(self) -> None:
+        self.store.delete(self.fails, self.tripped, self.probe)
+
+    def failure(self) -> None:
+        with self.store.pipeline() as pipe:
+            pipe.incr(self.fails).expire(self.fails, 60).exists(self.tripped)
+            count, _, tripped = pipe.execute()
+        if count >= self.threshold or tripped:
+            with self.store.pipeline() as pipe:
+                pipe.set(self.open_key, 1, px=self.cooldown_ms).set(self.tripped, 1, ex=3600)
+                pipe.delete(self.fails, self.probe).execute()
