@@ -7,11 +7,14 @@ the same Lua run in one process.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 from functools import cached_property
 
 import redis
 from celery import Celery
+from celery.signals import worker_ready
 from kombu import Queue
 
 from . import tasks
@@ -116,6 +119,7 @@ def celery_settings(config: Config) -> dict:
         "worker_soft_shutdown_timeout": 20.0,
         "worker_enable_soft_shutdown_on_idle": True,
         "task_default_queue": "qrq.default",
+        "task_track_started": True,
         "default_retry_delay": 2,
     }
     if config.embedded:
@@ -135,6 +139,28 @@ def celery_settings(config: Config) -> dict:
             redis_backend_health_check_interval=30,
         )
     return settings
+
+
+HEARTBEAT_S = 5
+HEARTBEAT_TTL_S = 15
+
+
+@worker_ready.connect
+def _start_heartbeat(sender, **_) -> None:
+    """Keep `qrq:alive:<node>` fresh while this worker lives: clients resubmit tasks that a
+    node without a heartbeat had started, instead of waiting for the visibility timeout."""
+    app = sender.app
+    if not isinstance(app, QrqCelery) or app.qrq_config.embedded:
+        return
+    key = f"qrq:alive:{sender.hostname}"
+
+    def beat() -> None:
+        while True:
+            with contextlib.suppress(redis.RedisError):  # Redis restarting: beat again later
+                app.store.set(key, 1, ex=HEARTBEAT_TTL_S)
+            time.sleep(HEARTBEAT_S)
+
+    threading.Thread(target=beat, daemon=True, name="qrq-heartbeat").start()
 
 
 class EmbeddedWorker:

@@ -1,27 +1,35 @@
 """submit_batch and RewardBatch: the trainer's side of the data path.
 
-validate -> plan chunks over the route -> group(score_chunk...) on per-backend queues
--> RewardBatch: poll results, put each outcome back at its input index, honour the deadline
+validate -> dedup -> cache lookup -> plan chunks over the route (weight x free capacity)
+-> group(score_chunk...) on per-backend priority queues
+-> RewardBatch: poll results, put each outcome back at its input index(es), cache new scores,
+   resubmit work that will never come back, and honour the deadline
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Generator, Sequence
+from dataclasses import replace
 from typing import Any, Literal
 
+import redis
 from celery import group
-from celery.result import GroupResult
+from celery.states import READY_STATES, STARTED
 
 from .app import PRIORITIES, QrqCelery
-from .routing import Chunk, plan
+from .cache import ScoreCache, content_key, reward_identity
+from .config import Route
+from .routing import Chunk, plan, route_shares
 from .runtime import get_app
 from .samples import Outcome, validate_samples
 from .tasks import TASK_NAME
 
 Priority = Literal["val", "train", "bulk"]
 POLL_INTERVAL_S = 0.05
+LIVENESS_CHECK_S = 2.0
 
 
 class RewardBatch:
@@ -29,7 +37,8 @@ class RewardBatch:
 
     `get()` blocks until every sample has an outcome or the deadline passes (unfinished samples
     then come back as `timeout` with the fallback score); `await batch` does the same without
-    blocking the event loop.
+    blocking the event loop. Results that will never come (Redis lost its data, the worker
+    running a task died) are noticed and the work is sent again before the deadline.
 
     Example:
         >>> batch = submit_batch([{"prompt": "2+2?", "response": "4"}], route="math")
@@ -40,23 +49,24 @@ class RewardBatch:
     def __init__(
         self,
         app: QrqCelery,
-        result: GroupResult | None,
-        chunks: list[Chunk],
+        route: Route,
+        samples: Sequence[dict],
         outcomes: list[Outcome | None],
+        copies: dict[int, list[int]],
+        cache: ScoreCache | None,
+        priority: int,
         deadline: float,
     ):
-        self.app, self.result, self.deadline = app, result, deadline
-        self._outcomes = outcomes
-        self._pending = {
-            r.id: c.indices for r, c in zip(result.results if result else [], chunks, strict=True)
-        }
+        self.app, self.route, self.samples = app, route, samples
+        self.priority, self.deadline, self.cache = priority, deadline, cache
+        self._outcomes, self._copies = outcomes, copies
+        self._pending: dict[str, Chunk] = {}
+        self._sentinel: str | None = None
+        self._next_liveness_check = time.monotonic() + LIVENESS_CHECK_S
+        self.resubmitted = 0
 
     def __len__(self) -> int:
         return len(self._outcomes)
-
-    @property
-    def id(self) -> str | None:
-        return self.result.id if self.result else None
 
     @property
     def completed(self) -> int:
@@ -96,42 +106,131 @@ class RewardBatch:
     def __await__(self) -> Generator[Any, None, list[float]]:
         return asyncio.get_running_loop().run_in_executor(None, self.get).__await__()
 
+    # -- sending -------------------------------------------------------------------------------
+
+    def send(self, chunks: list[Chunk]) -> None:
+        """Publish one score_chunk task per chunk and remember which indices it answers."""
+        if not chunks:
+            return
+        config = self.app.qrq_config
+        signatures = [
+            self.app.signature(
+                TASK_NAME,
+                kwargs={
+                    "backend": c.backend,
+                    "samples": [self.samples[i] for i in c.indices],
+                    "route": list(self.route.backends),
+                    "deadline": self.deadline,
+                },
+            ).set(
+                queue=config.backend(c.backend).queue,
+                priority=self.priority,
+                expires=max(1.0, self.deadline - time.time()),
+                argsrepr=f"({c.backend!r}, <{len(c.indices)} samples>)",
+                kwargsrepr="{}",
+            )
+            for c in chunks
+        ]
+        with self.app.producer_or_acquire() as producer:
+            result = group(signatures).apply_async(producer=producer)
+        self._pending.update(zip((r.id for r in result.results), chunks, strict=True))
+        if not config.embedded:
+            # Redis losing its data (a restart without persistence) takes this key with it.
+            self._sentinel = f"qrq:batch:{result.id}"
+            ttl_ms = int((self.deadline - time.time() + 60) * 1000)
+            self.app.store.set(self._sentinel, 1, px=max(ttl_ms, 1000))
+
+    # -- collecting ----------------------------------------------------------------------------
+
     def _poll(self) -> None:
         if not self._pending:
             return
-        metas = self.app.backend.get_many(list(self._pending), interval=0, max_iterations=1)
-        for task_id, meta in metas:
-            self._settle(task_id, meta)
+        try:
+            metas = self._read_metas()
+            lost = self._lost_chunks(metas)
+        except (redis.ConnectionError, redis.TimeoutError, OSError):
+            return  # Redis is restarting: try again at the next poll, until the deadline
+        for task_id, meta in metas.items():
+            if meta["status"] in READY_STATES:
+                self._settle(self._pending.pop(task_id), meta)
+        if lost and time.time() < self.deadline:
+            for task_id in lost:
+                self._pending.pop(task_id, None)
+            self.resubmitted += len(lost)
+            self.send(list(lost.values()))
 
-    def _settle(self, task_id: str, meta: dict) -> None:
-        indices = self._pending.pop(task_id)
+    def _read_metas(self) -> dict[str, dict]:
+        backend = self.app.backend
+        keys = {backend.get_key_for_task(i): i for i in self._pending}
+        values = backend.mget(list(keys))
+        if not isinstance(values, dict):  # Redis answers a list, the in-memory cache a dict
+            values = dict(zip(keys, values, strict=True))
+        return {keys[k]: backend.decode_result(v) for k, v in values.items() if v}
+
+    def _lost_chunks(self, metas: dict[str, dict]) -> dict[str, Chunk]:
+        """Tasks whose result will never come: all of them when Redis lost the batch's
+        sentinel, else those started by a worker whose heartbeat has lapsed."""
+        if self.app.qrq_config.embedded or time.monotonic() < self._next_liveness_check:
+            return {}
+        self._next_liveness_check = time.monotonic() + LIVENESS_CHECK_S
+        store = self.app.store
+        if self._sentinel and not store.exists(self._sentinel):
+            return {i: c for i, c in self._pending.items() if i not in metas}
+        started = {
+            i: m["result"].get("hostname")
+            for i, m in metas.items()
+            if m["status"] == STARTED and isinstance(m.get("result"), dict)
+        }
+        if not started:
+            return {}
+        hosts = sorted({h for h in started.values() if h})
+        alive = dict(zip(hosts, store.mget([f"qrq:alive:{h}" for h in hosts]), strict=True))
+        return {i: self._pending[i] for i, h in started.items() if h and not alive.get(h)}
+
+    def _settle(self, chunk: Chunk, meta: dict) -> None:
         status, result = meta["status"], meta.get("result")
-        if status == "SUCCESS" and isinstance(result, list) and len(result) == len(indices):
-            for i, data in zip(indices, result, strict=True):
-                self._outcomes[i] = Outcome.from_dict(data)
-            return
         fallback = self.app.qrq_config.fallback_score
-        if status == "REVOKED":
-            outcome = Outcome(fallback, "timeout", error="the task expired at the deadline")
+        if status == "SUCCESS" and isinstance(result, list) and len(result) == len(chunk.indices):
+            outcomes = [Outcome.from_dict(d) for d in result]
+        elif status == "REVOKED":
+            outcomes = [
+                Outcome(fallback, "timeout", error="the task expired at the deadline")
+                for _ in chunk.indices
+            ]
         else:
-            outcome = Outcome(fallback, "error", error=f"task {status}: {_describe(result)}")
-        for i in indices:
-            self._outcomes[i] = Outcome(**{**outcome.to_dict(), "id": None})
+            outcomes = [
+                Outcome(fallback, "error", error=f"task {status}: {_describe(result)}")
+                for _ in chunk.indices
+            ]
+        fresh = {}
+        for i, outcome in zip(chunk.indices, outcomes, strict=True):
+            for j in [i, *self._copies.get(i, ())]:
+                self._outcomes[j] = Outcome(
+                    **{**outcome.to_dict(), "id": self.samples[j].get("id")}
+                )
+            if outcome.status == "ok":
+                fresh[content_key(self.samples[i])] = outcome
+        if self.cache and fresh:
+            self.cache.put_many(fresh)
 
     def _expire(self) -> None:
         fallback = self.app.qrq_config.fallback_score
-        for indices in self._pending.values():
-            for i in indices:
-                self._outcomes[i] = Outcome(
-                    fallback, "timeout", error="no result by the batch deadline"
-                )
+        for chunk in self._pending.values():
+            for i in chunk.indices:
+                for j in [i, *self._copies.get(i, ())]:
+                    self._outcomes[j] = Outcome(
+                        fallback,
+                        "timeout",
+                        id=self.samples[j].get("id"),
+                        error="no result by the batch deadline",
+                    )
         self._pending.clear()
 
 
 def _describe(result: Any) -> str:
     if isinstance(result, dict) and "exc_type" in result:
         return f"{result['exc_type']}: {result.get('exc_message')}"
-    return repr(result)[:300]
+    return json.dumps(result, default=str)[:300]
 
 
 def submit_batch(
@@ -146,6 +245,8 @@ def submit_batch(
 
     Invalid samples raise InvalidSamples (naming every bad index) before anything is queued,
     or with `on_invalid="outcome"` come back as `error` outcomes while the rest is scored.
+    Identical samples are scored once; with the route's cache on, known scores come back
+    as `cached` without touching a queue.
     """
     app = app or get_app()
     config = app.qrq_config
@@ -155,37 +256,40 @@ def submit_batch(
         raise ValueError(f"on_invalid must be 'raise' or 'outcome', got {on_invalid!r}")
     the_route = config.route(route)
     problems = validate_samples(samples, config.max_sample_bytes, on_invalid == "raise")
-    outcomes: list[Outcome | None] = [
-        Outcome(config.fallback_score, "error", error=f"invalid sample: {problems[i]}")
-        if i in problems
+    outcomes: list[Outcome | None] = [None] * len(samples)
+    for i, why in problems.items():
+        outcomes[i] = Outcome(
+            config.fallback_score, "error", id=_id(samples[i]), error=f"invalid sample {i}: {why}"
+        )
+    first: dict[str, int] = {}
+    copies: dict[int, list[int]] = {}
+    for i in range(len(samples)):
+        if i not in problems:
+            key = content_key(samples[i])
+            if key in first:
+                copies.setdefault(first[key], []).append(i)
+            else:
+                first[key] = i
+    cache = (
+        ScoreCache(app.store, reward_identity(config, the_route), the_route.cache_ttl_s)
+        if the_route.cache
         else None
-        for i in range(len(samples))
-    ]
+    )
+    hits = cache.get_many(list(first)) if cache else {}
+    for key, outcome in hits.items():
+        for j in [first[key], *copies.get(first[key], ())]:
+            outcomes[j] = replace(outcome, id=_id(samples[j]))
+    todo = [i for key, i in first.items() if key not in hits]
     deadline = time.time() + (deadline_s if deadline_s is not None else config.deadline_s)
-    chunks = plan(config, the_route, [i for i in range(len(samples)) if i not in problems])
-    result = None
-    if chunks:
-        signatures = [
-            app.signature(
-                TASK_NAME,
-                kwargs={
-                    "backend": chunk.backend,
-                    "samples": [samples[i] for i in chunk.indices],
-                    "route": list(the_route.backends),
-                    "deadline": deadline,
-                },
-            ).set(
-                queue=config.backend(chunk.backend).queue,
-                priority=PRIORITIES[priority],
-                expires=deadline,
-                argsrepr=f"({chunk.backend!r}, <{len(chunk.indices)} samples>)",
-                kwargsrepr="{}",
-            )
-            for chunk in chunks
-        ]
-        with app.producer_or_acquire() as producer:
-            result = group(signatures).apply_async(producer=producer)
-    return RewardBatch(app, result, chunks, outcomes, deadline)
+    batch = RewardBatch(
+        app, the_route, samples, outcomes, copies, cache, PRIORITIES[priority], deadline
+    )
+    batch.send(plan(config, the_route, todo, route_shares(app, the_route, len(todo))))
+    return batch
+
+
+def _id(sample: Any) -> Any:
+    return sample.get("id") if isinstance(sample, dict) else None
 
 
 def score(

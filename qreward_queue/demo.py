@@ -33,7 +33,7 @@ def grpo_batch(n_prompts: int = 128, group: int = 8) -> list[dict]:
             samples.append(
                 {
                     "prompt": f"What is {a} + {b}?",
-                    "response": f"Let me add: {a} + {b} = {answer}. The answer is {answer}.",
+                    "response": f"Attempt {g}: {a} + {b} = {answer}. The answer is {answer}.",
                     "reference": str(a + b),
                     "data_source": "demo/arith",
                     "id": f"p{p}-g{g}",

@@ -49,3 +49,49 @@ def plan(
     for row in range(max((len(c) for c in per_backend), default=0)):
         chunks.extend(c[row] for c in per_backend if row < len(c))
     return chunks
+
+
+def water_fill(n: int, rates: list[float], queued: list[float]) -> list[float]:
+    """Split `n` new samples so every backend drains its queue plus its share at the same time.
+
+    >>> water_fill(60, [10, 20, 30], [0, 0, 0])
+    [10.0, 20.0, 30.0]
+    >>> water_fill(10, [10, 10], [20, 0])
+    [0.0, 10.0]
+    """
+    active, finish = [i for i, r in enumerate(rates) if r > 0], 0.0
+    while active:
+        finish = (n + sum(queued[i] for i in active)) / sum(rates[i] for i in active)
+        behind = [i for i in active if rates[i] * finish < queued[i]]
+        if not behind:
+            break
+        active = [i for i in active if i not in behind]
+    shares = [0.0] * len(rates)
+    for i in active:
+        shares[i] = rates[i] * finish - queued[i]
+    return shares
+
+
+def backend_rate(app, name: str) -> float:
+    """Requests per minute the backend can take now: the limiter's learned or configured rate,
+    else its concurrency as a proxy; 0 while its circuit breaker is open."""
+    if app.breaker(name).is_open():
+        return 0.0
+    backend = app.backend_config(name)
+    limiter = app.limiter(name)
+    rpm = limiter.status()["limits"].get("rpm") if limiter else None
+    if rpm:
+        return rpm["per_minute"]
+    return 60.0 * (backend.limits.max_concurrent or backend.pool.concurrency)
+
+
+def route_shares(app, route: Route, n: int) -> list[float]:
+    """How many of `n` new samples each backend of `route` should get (weight x free capacity)."""
+    from .status import queue_depth
+
+    if len(route.backends) == 1:
+        return [1.0]
+    rates = [w * backend_rate(app, b) for w, b in zip(route.weights, route.backends, strict=True)]
+    queued = [queue_depth(app.store, app.backend_config(b).queue) *
+              app.backend_config(b).chunk_size for b in route.backends]
+    return water_fill(n, rates, queued)

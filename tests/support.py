@@ -224,3 +224,31 @@ def recording_exact_match(sample: dict) -> float:
             fh.write(f"{os.getpid()}\n")
     time.sleep(float(extra.get("sleep_s", 0)))
     return exact_match(sample)
+
+
+def with_message_bodies(value: bytes) -> list[bytes]:
+    """`value` plus every kombu message body found inside it, decoded.
+
+    kombu stores message bodies (tasks, events, `unacked` entries) base64-encoded inside a JSON
+    envelope, so a byte search of the raw value alone would miss what a message carries.
+    """
+    import base64
+
+    found = [value]
+    try:
+        stack = [json.loads(value)]
+    except (ValueError, UnicodeDecodeError):
+        return found
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            body, props = item.get("body"), item.get("properties")
+            if isinstance(body, str) and isinstance(props, dict):
+                if props.get("body_encoding") == "base64":
+                    found += with_message_bodies(base64.b64decode(body))
+                else:
+                    found += with_message_bodies(body.encode())
+            stack += item.values()
+        elif isinstance(item, list):
+            stack += item
+    return found

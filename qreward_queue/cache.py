@@ -1,0 +1,55 @@
+"""Score cache and in-batch dedup, keyed by what makes a reward: the route's scoring setup
+(backend kinds, models, templates, functions) and the sample's content (not its id)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import redis
+
+from .config import Config, Route
+from .samples import Outcome
+
+_CONTENT_FIELDS = ("prompt", "response", "reference", "data_source", "extra")
+
+
+def content_key(sample: dict) -> str:
+    """Identical samples (ignoring `id`) share a key, so a batch scores each only once."""
+    content = {k: sample.get(k) for k in _CONTENT_FIELDS}
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def reward_identity(config: Config, route: Route) -> str:
+    """Changes whenever a backend of the route would score differently (model, template...)."""
+    parts = [route.name]
+    for name in route.backends:
+        b = config.backend(name)
+        parts.append(json.dumps([b.kind, b.model, b.prompt_template, b.system_prompt,
+                                 b.score_pattern, b.function, b.max_tokens]))
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+class ScoreCache:
+    """Scores in Redis with a TTL; hits come back as `cached` outcomes without queueing."""
+
+    def __init__(self, store: redis.Redis, identity: str, ttl_s: float):
+        self.store, self.prefix, self.ttl_ms = store, f"qrq:cache:{identity}:", int(ttl_s * 1000)
+
+    def get_many(self, keys: list[str]) -> dict[str, Outcome]:
+        if not keys:
+            return {}
+        values = self.store.mget([self.prefix + k for k in keys])
+        hits = {}
+        for key, value in zip(keys, values, strict=True):
+            if value is not None:
+                data = json.loads(value)
+                hits[key] = Outcome(data["score"], "cached", data.get("backend"))
+        return hits
+
+    def put_many(self, outcomes: dict[str, Outcome]) -> None:
+        with self.store.pipeline(transaction=False) as pipe:
+            for key, o in outcomes.items():
+                pipe.set(self.prefix + key, json.dumps({"score": o.score, "backend": o.backend}),
+                         px=self.ttl_ms)
+            pipe.execute()
