@@ -192,3 +192,13 @@ class EmbeddedWorker:
     def stop(self) -> None:
         self.controller.stop(in_sighandler=False)
         self.thread.join(10)
+
+
+def __getattr__(name: str) -> QrqCelery:
+    """`celery -A qreward_queue.app flower|inspect ...` finds an app built from the config."""
+    if name in ("app", "celery"):
+        from .config import load_config
+
+        globals()[name] = built = QrqCelery(load_config())
+        return built
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -29,6 +29,21 @@ DEFAULT_TEMPLATE = (
 )
 DEFAULT_SCORE_PATTERN = r"Score:\s*([-+]?\d*\.?\d+)"
 _RATE_LIMIT = re.compile(r"^\d+(\.\d+)?/[smh]$")
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def expand_env(value: str, where: str) -> str:
+    """Fill `${VAR}` / `${VAR:-default}` from the environment (for per-deployment hosts)."""
+
+    def fill(match: re.Match) -> str:
+        name, default = match.group(1), match.group(2)
+        if name in os.environ:
+            return os.environ[name]
+        if default is None:
+            raise ConfigError(f"{where}: environment variable {name} is not set (and no default)")
+        return default
+
+    return _ENV_REF.sub(fill, value)
 
 
 @dataclass(frozen=True)
@@ -151,11 +166,11 @@ class _Table:
         self.data, self.source, self.path = data, source, path
         self.used: set[str] = set()
 
-    def _where(self, key: str) -> str:
+    def where(self, key: str) -> str:
         return f"{self.source}: {self.path}.{key}" if self.path else f"{self.source}: {key}"
 
     def fail(self, key: str, expected: str) -> ConfigError:
-        return ConfigError(f"{self._where(key)}: expected {expected}, got {self.data.get(key)!r}")
+        return ConfigError(f"{self.where(key)}: expected {expected}, got {self.data.get(key)!r}")
 
     def get(
         self,
@@ -169,7 +184,7 @@ class _Table:
         self.used.add(key)
         if key not in self.data:
             if required:
-                raise ConfigError(f"{self._where(key)}: missing (expected {expected or kind})")
+                raise ConfigError(f"{self.where(key)}: missing (expected {expected or kind})")
             return default
         value = self.data[key]
         if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
@@ -202,7 +217,7 @@ class _Table:
         unknown = sorted(set(self.data) - self.used)
         if unknown:
             raise ConfigError(
-                f"{self._where(unknown[0])}: unknown key (known: {', '.join(sorted(self.used))})"
+                f"{self.where(unknown[0])}: unknown key (known: {', '.join(sorted(self.used))})"
             )
 
 
@@ -272,7 +287,9 @@ def load_backend(path: str | os.PathLike[str]) -> Backend:
         "api_key_env": b.get("api_key_env", str, None, expected="the NAME of an env variable"),
     }
     if kind in ("judge", "reward_model"):
-        values["url"] = b.get("url", str, required=True, expected="an http(s) URL")
+        values["url"] = expand_env(
+            b.get("url", str, required=True, expected="an http(s) URL"), b.where("url")
+        )
         if not values["url"].startswith(("http://", "https://")):
             raise b.fail("url", "an http(s) URL")
     if kind == "judge":
