@@ -37,10 +37,11 @@ def race(tmp_path, redis_url, val_priority: str) -> dict:
             {"prompt": f"train {i}", "response": f"rollout {i}"} for i in range(BACKLOG)
         ]
         val_samples = [{"prompt": f"val {i}", "response": f"answer {i}"} for i in range(VAL)]
+        # the backlog is queued before the worker starts, so "20 done" is not overshot
+        backlog = qreward_queue.submit_batch(
+            backlog_samples, route="slow", priority="train", deadline_s=300, app=app
+        )
         with Worker(config_path, "slow") as worker:
-            backlog = qreward_queue.submit_batch(
-                backlog_samples, route="slow", priority="train", deadline_s=300, app=app
-            )
             wait_for(
                 lambda: backlog.completed >= STARTED_BEFORE_VAL,
                 timeout_s=60,

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Install what the tests need (a venv with qrq[dev], Redis when none answers on 127.0.0.1:6379)
+# and run the whole suite. Usage: bash .ci/test.sh [pytest args]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+redis_up() { (exec 3<>/dev/tcp/127.0.0.1/6379 && printf 'PING\r\n' >&3 && head -c5 <&3 | grep -q PONG) 2>/dev/null; }
+
+if ! redis_up; then
+  if ! command -v redis-server >/dev/null; then
+    echo "installing redis-server (Debian package)"
+    SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+  fi
+  echo "starting redis-server on 127.0.0.1:6379"
+  redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no \
+    --dir /tmp --logfile /tmp/qrq-ci-redis.log
+  for _ in $(seq 50); do redis_up && break; sleep 0.1; done
+  redis_up || { echo "redis did not start; see /tmp/qrq-ci-redis.log"; exit 1; }
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null
+.venv/bin/python -m pip install -q -e ".[dev]"
+.venv/bin/ruff check .
+exec .venv/bin/python -m pytest -q "$@"
