@@ -176,6 +176,11 @@ class Run:
         return self.per_s / self.limit_per_s
 
     @property
+    def ok_per_s(self) -> float:
+        """Samples with a real judge score per second (a silent 0.0 is not one)."""
+        return (self.n - self.not_ok) / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
     def pct_429(self) -> float:
         return 100.0 * self.server_429 / self.server_requests if self.server_requests else 0.0
 
@@ -186,6 +191,8 @@ class Run:
         data |= {
             "per_s": round(self.per_s, 2),
             "fraction_of_limit": round(self.fraction_of_limit, 4),
+            "ok_per_s": round(self.ok_per_s, 2),
+            "ok_fraction_of_limit": round(self.ok_per_s / self.limit_per_s, 4),
             "limit_per_s": round(self.limit_per_s, 3),
             "server_429_pct": round(self.pct_429, 2),
             "wall_s": round(self.wall_s, 3),
@@ -213,15 +220,15 @@ def _fmt(value: float | None, spec: str) -> str:
 
 def print_table(title: str, runs: list[Run], notes: list[str]) -> None:
     print(f"\n== {title}")
-    header = (f"{'client':<22}{'n':>6}{'wall_s':>8}{'per_s':>8}{'of_limit':>9}{'requests':>9}"
-              f"{'429':>7}{'429%':>7}{'not_ok':>7}{'wrong':>6}{'p50_ms':>8}{'p99_ms':>8}"
-              f"{'cpu_ms/req':>11}")
+    header = (f"{'client':<22}{'n':>6}{'wall_s':>8}{'per_s':>8}{'of_limit':>9}{'ok/s':>7}"
+              f"{'requests':>9}{'429':>7}{'429%':>7}{'not_ok':>7}{'wrong':>6}{'p50_ms':>8}"
+              f"{'p99_ms':>8}{'cpu_ms/req':>11}")
     print(header)
     print("-" * len(header))
     for r in runs:
         print(f"{r.client:<22}{r.n:>6}{r.wall_s:>8.2f}{r.per_s:>8.1f}{r.fraction_of_limit:>9.1%}"
-              f"{r.server_requests:>9}{r.server_429:>7}{r.pct_429:>6.1f}%{r.not_ok:>7}"
-              f"{r.wrong:>6}{_fmt(r.p50_ms, '.0f'):>8}{_fmt(r.p99_ms, '.0f'):>8}"
+              f"{r.ok_per_s:>7.1f}{r.server_requests:>9}{r.server_429:>7}{r.pct_429:>6.1f}%"
+              f"{r.not_ok:>7}{r.wrong:>6}{_fmt(r.p50_ms, '.0f'):>8}{_fmt(r.p99_ms, '.0f'):>8}"
               f"{_fmt(r.worker_cpu_ms_per_request, '.2f'):>11}")
     for note in notes:
         print(f"  note: {note}")

@@ -65,6 +65,13 @@ WORKER_THREADS = 32
 TRAINERS = 4
 PROBE_S = 10.0
 REFILL_S = 1.5  # between runs: the judge's and the limiter's one-second buckets refill
+LEGEND = """\
+legend: per_s = n / wall_s; of_limit = per_s over the judge's real limit (50/s); ok/s = samples
+  with a real judge score per second; requests, 429 = the judge's own counters; not_ok = samples
+  without a real score; wrong = scores handed over as real that disagree with the judge's rule
+  (a silent 0.0 counts, a flagged qrq fallback not); p50/p99 = per-sample latency from the
+  client committing a slot to the score (qrq: task start, limiter wait included; naive: request
+  loop); cpu_ms/req = CPU of the qrq worker processes over judge requests"""
 CLIENTS = ("qrq", "naive", "async_semaphore", "three_layer", "token_throttle")
 
 
@@ -475,6 +482,7 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     print(f"qrq flow-control benchmark: distributed mode (Redis at {REDIS_URL}, flushed per "
           f"scenario), mock judge and qrq workers as subprocesses")
+    print(LEGEND)
     all_runs: list[Run] = []
     for name in SCENARIOS if args.scenario == "all" else [args.scenario]:
         title, fn = SCENARIOS[name]

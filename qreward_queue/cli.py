@@ -56,7 +56,7 @@ def demo(config_path: str | None, route: str | None) -> None:
 
 
 @cli.command()
-@click.argument("input_file", metavar="IN.jsonl", type=click.File("r", encoding="utf-8"))
+@click.argument("input_file", metavar="IN.jsonl", type=click.File("rb"))
 @click.option(
     "-o",
     "--output",
@@ -80,29 +80,44 @@ def score(input_file, output, route, priority, deadline_s, config_path) -> None:
     config = load_config(config_path)
     click.echo(describe_mode(config), err=True)
     app = configure(config)
-    samples, unreadable = [], {}
-    for number, line in enumerate(input_file, start=1):
-        if not line.strip():
+    samples, lines, unreadable = read_jsonl(input_file)
+    batch = submit_batch(samples, route, priority, deadline_s, on_invalid="outcome", app=app)
+    with tqdm(total=len(batch), unit="sample", file=sys.stderr, disable=None) as bar:
+        while not batch.done() and time.time() < batch.deadline:
+            bar.update(batch.completed - bar.n)
+            time.sleep(0.2)
+        outcomes = batch.outcomes()
+        bar.update(len(batch) - bar.n)
+    counts: dict[str, int] = {}
+    for index, outcome in enumerate(outcomes):
+        if index in unreadable:
+            outcome.error = unreadable[index]
+        elif outcome.error and outcome.error.startswith("invalid sample"):
+            outcome.error = f"line {lines[index]}: {outcome.error}"
+        counts[outcome.status] = counts.get(outcome.status, 0) + 1
+        output.write(json.dumps({"index": index, "line": lines[index], **outcome.to_dict()}) + "\n")
+    output.flush()
+    click.echo("scored " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())), err=True)
+
+
+def read_jsonl(lines_in) -> tuple[list, list[int], dict[int, str]]:
+    """Samples (None for unreadable lines), their line numbers, and why each unreadable one is."""
+    samples, lines, unreadable = [], [], {}
+    for number, raw in enumerate(lines_in, start=1):
+        if not raw.strip():
             continue
+        lines.append(number)
         try:
-            samples.append(json.loads(line))
+            samples.append(json.loads(raw.decode("utf-8")))
+        except UnicodeDecodeError as exc:
+            unreadable[len(samples)] = (
+                f"line {number}: not UTF-8 ({exc.reason} at byte {exc.start})"
+            )
+            samples.append(None)
         except ValueError as exc:
             unreadable[len(samples)] = f"line {number}: not JSON ({exc})"
             samples.append(None)
-    batch = submit_batch(samples, route, priority, deadline_s, on_invalid="outcome", app=app)
-    with tqdm(total=len(batch), unit="sample", file=sys.stderr, disable=None) as bar:
-        while not batch.done():
-            bar.update(batch.completed - bar.n)
-            time.sleep(0.2)
-        bar.update(len(batch) - bar.n)
-    counts: dict[str, int] = {}
-    for index, outcome in enumerate(batch.outcomes()):
-        if index in unreadable:
-            outcome.error = unreadable[index]
-        counts[outcome.status] = counts.get(outcome.status, 0) + 1
-        output.write(json.dumps({"index": index, **outcome.to_dict()}) + "\n")
-    output.flush()
-    click.echo("scored " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())), err=True)
+    return samples, lines, unreadable
 
 
 @cli.command()

@@ -6,6 +6,7 @@ qrq.toml is found through QRQ_CONFIG (a path), else ./qrq.toml; QRQ_REDIS_URL ov
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
@@ -199,6 +200,8 @@ class _Table:
         value = self.get(key, (int, float), default, expected="a number")
         if value is None:
             return None
+        if not math.isfinite(value):
+            raise self.fail(key, "a finite number")
         if positive and (value < 0 or (value == 0 and not allow_zero)):
             raise self.fail(key, "a positive number" if not allow_zero else "a number >= 0")
         return float(value)
@@ -284,7 +287,7 @@ def load_backend(path: str | os.PathLike[str]) -> Backend:
         raise b.fail("name", "letters, digits, '.', '_' or '-'")
     values: dict[str, Any] = {
         "timeout_s": b.number("timeout_s", Backend.timeout_s),
-        "api_key_env": b.get("api_key_env", str, None, expected="the NAME of an env variable"),
+        "api_key_env": _env_name(b),
     }
     if kind in ("judge", "reward_model"):
         values["url"] = expand_env(
@@ -329,11 +332,22 @@ def load_backend(path: str | os.PathLike[str]) -> Backend:
     return backend
 
 
+def _env_name(t: _Table) -> str | None:
+    """The NAME of the variable holding the API key; a pasted key is refused unquoted."""
+    name = t.get("api_key_env", str, None, expected="the NAME of an environment variable")
+    if name is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        raise ConfigError(
+            f"{t.where('api_key_env')}: expected the NAME of an environment "
+            "variable (letters, digits, '_'), not a key; the value is not shown"
+        )
+    return name
+
+
 def _check_template(t: _Table, template: str) -> None:
     fields = {"prompt": "", "response": "", "reference": "", "data_source": "", "extra": {}}
     try:
         template.format(**fields)
-    except (KeyError, IndexError, ValueError) as exc:
+    except Exception as exc:  # str.format can raise almost anything on a bad template
         raise t.fail(
             "prompt_template",
             "placeholders among {prompt} {response} {reference} "

@@ -56,9 +56,9 @@ def sample_problem(sample: Any, max_bytes: int = DEFAULT_MAX_SAMPLE_BYTES) -> st
     for key in _OPTIONAL_TEXT:
         if sample.get(key) is not None and not isinstance(sample[key], str):
             return f"field '{key}' must be a string, got {type(sample[key]).__name__}"
-    unknown = sorted(set(sample) - _KNOWN_KEYS)
+    unknown = sorted(map(repr, set(sample) - _KNOWN_KEYS))
     if unknown:
-        return f"unknown field(s) {', '.join(map(repr, unknown))}"
+        return f"unknown field(s) {', '.join(unknown)} (put your own data in 'extra')"
     extra = sample.get("extra")
     if extra is not None and not isinstance(extra, dict):
         return f"field 'extra' must be a JSON object, got {type(extra).__name__}"

@@ -1,10 +1,10 @@
 """The worker side of the data path: score one chunk of samples on one backend.
 
-    score_chunk -> for each call of the chunk: breaker.allow -> limiter.acquire -> backend.call
-        429               -> the limiter pauses everyone for Retry-After; the call is tried again
-        timeout, 5xx, ... -> Celery retry of what is left, with backoff; after `attempts`,
-                             Celery retry onto a sibling backend's queue (failover)
-        4xx, bad verdict  -> an explicit `error` outcome at once (a batch call is split first)
+score_chunk -> for each call of the chunk: breaker.allow -> limiter.acquire -> backend.call
+    429               -> the limiter pauses everyone for Retry-After; the call is tried again
+    timeout, 5xx, ... -> Celery retry of what is left, with backoff; after `attempts`,
+                         Celery retry onto a sibling backend's queue (failover)
+    4xx, bad verdict  -> an explicit `error` outcome at once (a batch call is split first)
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ class ChunkRunner:
     asked for a long wait, see `busy_s`) and `retryable` the positions worth another try.
     """
 
-    def __init__(self, config: Backend, limiter: Limiter | None, breaker: CircuitBreaker | None,
-                 attempt: int):
+    def __init__(
+        self, config: Backend, limiter: Limiter | None, breaker: CircuitBreaker | None, attempt: int
+    ):
         self.config, self.limiter, self.breaker, self.attempt = config, limiter, breaker, attempt
         self.client = _client(config)
         self.busy_s: float | None = None
@@ -68,9 +69,11 @@ class ChunkRunner:
         while True:
             try:
                 call = self._guarded_call(batch)
-            except RateLimited as exc:  # flow control now holds everyone back; go again
+            except RateLimited as exc:  # the limiter now holds everyone back; go again
                 throttled += 1
                 if throttled < MAX_THROTTLED_CALLS:
+                    if self.limiter is None:  # nobody else waits for us: honour Retry-After
+                        time.sleep(exc.retry_after_s or backoff_s(self.config.retry, throttled))
                     continue
                 result: Call | ScoringError = exc
             except PermanentError as exc:
@@ -104,15 +107,23 @@ class ChunkRunner:
     def _guarded_call(self, batch: list[dict]) -> Call:
         if self.breaker is not None and not self.breaker.allow():
             raise TransientError(f"circuit open: backend {self.config.name!r} is cooling down")
-        guard = (self.limiter.acquire(tokens=self.client.estimate_tokens(batch),
-                                      max_wait_s=MAX_LIMITER_WAIT_S)
-                 if self.limiter else nullcontext())
+        guard = (
+            self.limiter.acquire(
+                tokens=self.client.estimate_tokens(batch), max_wait_s=MAX_LIMITER_WAIT_S
+            )
+            if self.limiter
+            else nullcontext()
+        )
         with guard as grant:
             try:
                 call = self.client.call(batch)
             except ScoringError as exc:
-                self._learn(exc.status_code, exc.headers, exc.timed_out,
-                            failed=isinstance(exc, TransientError))
+                self._learn(
+                    exc.status_code,
+                    exc.headers,
+                    exc.timed_out,
+                    failed=isinstance(exc, TransientError),
+                )
                 raise
             self._learn(call.status_code, call.headers, False, failed=False)
             if grant is not None and call.tokens is not None:
@@ -126,13 +137,21 @@ class ChunkRunner:
             self.breaker.failure() if failed else self.breaker.success()
 
     def _error(self, error: ScoringError, attempts: int, latency_ms: float, detail) -> Outcome:
-        return Outcome(0.0, "error", self.config.name, attempts, latency_ms, error=str(error),
-                       detail=detail)
+        return Outcome(
+            0.0, "error", self.config.name, attempts, latency_ms, error=str(error), detail=detail
+        )
 
 
-def score_chunk(self, backend: str, samples: list[dict], route: list[str] | None = None,
-                deadline: float | None = None, done: list[dict | None] | None = None,
-                tried: list[str] | None = None, attempt: int = 1) -> list[dict]:
+def score_chunk(
+    self,
+    backend: str,
+    samples: list[dict],
+    route: list[str] | None = None,
+    deadline: float | None = None,
+    done: list[dict | None] | None = None,
+    tried: list[str] | None = None,
+    attempt: int = 1,
+) -> list[dict]:
     """Score `samples` on `backend`; one outcome dict per sample, in input order.
 
     `done` carries outcomes settled by earlier runs of this task (after a backoff, a long
@@ -161,19 +180,23 @@ def score_chunk(self, backend: str, samples: list[dict], route: list[str] | None
         raise self.retry(kwargs=kwargs, countdown=runner.busy_s)
     circuit_open = breaker is not None and breaker.is_open()
     if attempt < policy.attempts and time_left and not circuit_open:
-        raise self.retry(kwargs=dict(kwargs, attempt=attempt + 1),
-                         countdown=backoff_s(policy, attempt))
+        raise self.retry(
+            kwargs=dict(kwargs, attempt=attempt + 1), countdown=backoff_s(policy, attempt)
+        )
     healthy = [b for b in siblings if not app.breaker(b).is_open()] or siblings
     if healthy and time_left:
         target = healthy[0]
-        raise self.retry(kwargs=dict(kwargs, backend=target, attempt=1,
-                                     tried=[*(tried or []), backend]),
-                         queue=app.backend_config(target).queue, countdown=0)
+        raise self.retry(
+            kwargs=dict(kwargs, backend=target, attempt=1, tried=[*(tried or []), backend]),
+            queue=app.backend_config(target).queue,
+            countdown=0,
+        )
     note = f" (gave up after {attempt} attempt(s) on {backend!r}; no sibling backend left)"
     for k, pos in enumerate(todo):
         if pos in retry_later:
-            outcome = runner.outcomes[k] or Outcome(0.0, "error", backend, attempt,
-                                                    error="not tried before the deadline")
+            outcome = runner.outcomes[k] or Outcome(
+                0.0, "error", backend, attempt, error="not tried before the deadline"
+            )
             done[pos] = _settled(outcome, samples[pos], app.qrq_config.fallback_score, note)
     return done
 

@@ -252,3 +252,61 @@ def with_message_bodies(value: bytes) -> list[bytes]:
         elif isinstance(item, list):
             stack += item
     return found
+
+
+# --- Helpers for test_routes, test_cache, test_recovery ---
+
+
+def write_route_config(
+    directory: Path,
+    backends: dict[str, dict],
+    redis_url: str | None = None,
+    routes: dict[str, dict] | None = None,
+    **defaults,
+) -> Path:
+    """Like write_config, but each route is a table: {"backends": [...], "cache": True,
+    "cache_ttl_s": 60, "weights": {"a": 1, "b": 3}} (every key but "backends" optional)."""
+    path = write_config(directory, backends, redis_url, None, **defaults)
+    lines = []
+    for name, table in (routes or {}).items():
+        lines.append(f"[routes.{name}]")
+        lines += [f"{k} = {toml_value(v)}" for k, v in table.items() if k != "weights"]
+        if "weights" in table:
+            lines.append(f"[routes.{name}.weights]")
+            lines += [f"{k} = {toml_value(v)}" for k, v in table["weights"].items()]
+    with path.open("a") as fh:
+        fh.write("\n".join(lines) + "\n")
+    return path
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_workers(config: Path, specs: list[tuple[str, str | None]]) -> list[Worker]:
+    """Start one Worker per (backend, name) at the same time (each takes ~3 s to be ready)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(specs)) as pool:
+        futures = [pool.submit(Worker, config, backend, name) for backend, name in specs]
+    workers, errors = [], []
+    for future in futures:
+        try:
+            workers.append(future.result())
+        except Exception as exc:  # stop the ones that did start before failing the test
+            errors.append(exc)
+    if errors:
+        for worker in workers:
+            worker.kill()
+        raise errors[0]
+    return workers
+
+
+def tasks_received(worker: Worker) -> int:
+    """How many task messages this worker has taken from its queue so far (from its log)."""
+    return worker.log.read_text().count("] received")

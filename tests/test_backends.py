@@ -502,12 +502,6 @@ def test_chunk_runner_function_errors_are_per_sample(rewards_module):
     assert "RuntimeError" in outcomes[1].error
 
 
-@pytest.mark.xfail(
-    reason="BUG: tasks.ChunkRunner._run_call retries a 429 at once ('the limiter now holds "
-    "everyone back'), but a backend without [limits] has no limiter: Retry-After is "
-    "ignored and up to 20 calls hammer the server within milliseconds, then the sample errors",
-    strict=True,
-)
 def test_chunk_runner_waits_out_retry_after_without_a_limiter():
     with MockJudge(MockJudgeSettings(rpm=60, latency_ms=1, latency_cv=0)) as judge:
         config = judge_config(judge.url, retry=Retry(attempts=1))
@@ -521,24 +515,12 @@ def test_chunk_runner_waits_out_retry_after_without_a_limiter():
 # --- HTTP edge cases: every failure is a ScoringError, never a raw exception ----------------
 
 
-@pytest.mark.xfail(
-    reason="BUG: backends/http.py post_json calls parse_retry_after(headers.get('retry-after')) "
-    "unguarded: a 429 without Retry-After raises AttributeError (None.strip)",
-    raises=AttributeError,
-    strict=True,
-)
 def test_429_without_retry_after_is_rate_limited(stub):
     stub.respond = lambda body: (429, {}, {"error": {"message": "slow down"}}, 0)
     error = raises(RateLimited, make_backend(judge_config(stub.url)).call, [sample(1)])
     assert error.retry_after_s is None
 
 
-@pytest.mark.xfail(
-    reason="BUG: backends/http.py post_json lets parse_retry_after's ValueError escape for a "
-    "malformed Retry-After header instead of treating it as absent",
-    raises=ValueError,
-    strict=True,
-)
 def test_429_with_malformed_retry_after_is_rate_limited(stub):
     stub.respond = lambda body: (429, {"Retry-After": "soon"}, {}, 0)
     error = raises(RateLimited, make_backend(judge_config(stub.url)).call, [sample(1)])
@@ -551,25 +533,11 @@ def test_429_with_http_date_retry_after(stub):
     assert error.retry_after_s == 0.0  # a date in the past: go now
 
 
-@pytest.mark.xfail(
-    reason="BUG: backends/http.py post_json reads the body with resp.raw.read(...) (stream=True), "
-    "which raises urllib3 exceptions that are not requests.RequestException: a body cut short "
-    "escapes as urllib3.exceptions.ProtocolError instead of TransientError",
-    raises=urllib3.exceptions.ProtocolError,
-    strict=True,
-)
 def test_truncated_reply_body_is_transient(stub):
     stub.respond = lambda body: (200, {"Content-Length": "100"}, b'{"choi', 0)
     raises(TransientError, make_backend(judge_config(stub.url)).call, [sample(1)])
 
 
-@pytest.mark.xfail(
-    reason="BUG: backends/http.py post_json: a server that sends headers and then stalls in the "
-    "body raises urllib3.exceptions.ReadTimeoutError from resp.raw.read, not a TransientError "
-    "with timed_out=True",
-    raises=urllib3.exceptions.ReadTimeoutError,
-    strict=True,
-)
 def test_stalled_reply_body_is_a_transient_timeout(stub):
     stub.respond = lambda body: (200, {"Content-Length": "100"}, b'{"choi', 5)
     error = raises(TransientError, make_backend(judge_config(stub.url, timeout_s=0.3)).call,

@@ -197,9 +197,7 @@ def test_api_key_never_reaches_redis_or_logs(tmp_path, redis_url, judge, monkeyp
     # Given two backends whose key lives only in the workers' environment, routed together so
     # that failing samples are republished by a worker (retry onto the sibling's queue)
     monkeypatch.delenv("QRQ_TEST_KEY", raising=False)
-    backends = {
-        name: judge_backend(judge.url, api_key_env="QRQ_TEST_KEY") for name in ("ka", "kb")
-    }
+    backends = {name: judge_backend(judge.url, api_key_env="QRQ_TEST_KEY") for name in ("ka", "kb")}
     config_path = write_config(
         tmp_path,
         backends,

@@ -80,9 +80,9 @@ def expected(config: Config, backend: str, samples: list[dict]) -> list[float]:
     return [verdict(renderer.render(s)) for s in samples]
 
 
-def judge_setup(setup, judge: MockJudge, **backend: Any) -> Config:
+def judge_setup(setup, judge: MockJudge, concurrency: int = 16, **backend: Any) -> Config:
     return setup(
-        {"a": judge_backend(judge.url, concurrency=16, **backend)},
+        {"a": judge_backend(judge.url, concurrency=concurrency, **backend)},
         routes={"grade": ["a"]},
         route="grade",
     )
@@ -119,27 +119,25 @@ def test_64_samples_come_back_in_input_order_with_the_judges_verdicts(setup, jud
     assert judge.stats()["accepted"] == 64
 
 
-def test_score_returns_floats_for_the_default_route(setup, judge):
+def test_score_returns_floats_for_the_default_route_at_every_priority(setup, judge):
     config = judge_setup(setup, judge)
-    samples = samples_(5)
-    scores = qreward_queue.score(samples)
-    assert all(type(s) is float for s in scores)
-    assert scores == expected(config, "a", samples)
+    for k, priority in enumerate(("val", "train", "bulk")):
+        samples = samples_(3, start=10 * k)
+        scores = qreward_queue.score(samples, priority=priority)  # route=None: the default
+        assert all(type(s) is float for s in scores)
+        assert scores == expected(config, "a", samples)
 
 
-def test_empty_batch(setup, judge):
-    judge_setup(setup, judge)
-    batch = qreward_queue.submit_batch([], route="grade")
-    assert batch.done() and len(batch) == 0 and batch.get() == []
-
-
-def test_done_and_completed_track_progress(setup, make_judge):
-    judge = make_judge(latency_ms=300)
-    judge_setup(setup, judge)
-    batch = qreward_queue.submit_batch(samples_(4), route="grade")
+def test_done_completed_and_a_get_timeout_before_the_deadline(setup, make_judge):
+    judge = make_judge(latency_ms=400)
+    config = judge_setup(setup, judge)
+    samples = samples_(4)
+    batch = qreward_queue.submit_batch(samples, route="grade")
     assert len(batch) == 4
-    assert not batch.done() and batch.completed == 0  # every call takes 300 ms
-    assert len(batch.get(timeout=30)) == 4
+    assert not batch.done() and batch.completed == 0  # every call takes 400 ms
+    with pytest.raises(TimeoutError, match="call get\\(\\) again"):
+        batch.get(timeout=0.05)
+    assert batch.get(timeout=30) == expected(config, "a", samples)
     assert batch.done() and batch.completed == 4
 
 
@@ -199,7 +197,9 @@ def test_invalid_samples_become_error_outcomes_while_the_rest_is_scored(setup, j
     }
     for i, reason in reasons.items():
         assert outcomes[i].status == "error" and outcomes[i].score == FALLBACK
-        assert outcomes[i].error.startswith("invalid sample: ") and reason in outcomes[i].error
+        assert outcomes[i].error.startswith(f"invalid sample {i}: ") and reason in outcomes[i].error
+        assert outcomes[i].backend is None and outcomes[i].attempts == 0
+    assert [o.id for o in outcomes] == [0, None, 1, None, 2, 3, 3, None]  # ids kept when known
     assert judge.stats()["accepted"] == 4
 
 
@@ -211,39 +211,72 @@ def test_invalid_samples_raise_before_anything_is_queued(setup, judge):
     assert set(info.value.problems) == {3, 4}
     assert "sample 3: field 'response' must be a string" in str(info.value)
     assert "sample 4: missing field 'prompt'" in str(info.value)
+    assert judge.stats()["requests"] == 0
     # a later batch runs through the same queue; nothing of the rejected one went before it
     assert len(qreward_queue.score(samples_(1, start=100), route="grade")) == 1
     assert judge.stats()["requests"] == 1
 
 
-def test_all_invalid_batch_returns_at_once(setup, judge):
-    judge_setup(setup, judge)
-    batch = qreward_queue.submit_batch([1, 2], route="grade", on_invalid="outcome")
-    assert batch.done()
-    assert [o.status for o in batch.outcomes()] == ["error", "error"]
-    assert judge.stats()["requests"] == 0
+# --- checks before anything is queued (an app without worker threads: nothing consumes) --------
 
 
-def test_unknown_route_bad_priority_and_bad_on_invalid(setup, judge):
-    judge_setup(setup, judge)
+@pytest.fixture
+def idle_app(judge) -> Iterator[QrqCelery]:
+    """An embedded app whose queue nobody consumes, so whatever was published stays there."""
+    name = f"idle{time.monotonic_ns()}"
+    backend = Backend(name=name, kind="judge", url=judge.url + "/v1", model="m")
+    app = QrqCelery(Config(redis_url=None, backends={name: backend}, routes={}))
+    yield app
+    with app.connection_for_write() as conn:
+        conn.SimpleQueue(backend.queue).clear()
+
+
+def queued(app: QrqCelery) -> int:
+    (backend,) = app.qrq_config.backends.values()
+    with app.connection_for_read() as conn:
+        return conn.SimpleQueue(backend.queue).qsize()
+
+
+def test_bad_calls_are_refused_before_anything_is_queued(idle_app):
+    (name,) = idle_app.qrq_config.backends
+    submit = qreward_queue.submit_batch
     with pytest.raises(UnknownRoute) as info:
-        qreward_queue.submit_batch(samples_(1), route="gradee")
-    assert "'gradee'" in str(info.value) and "known: a, grade" in str(info.value)
+        submit(samples_(1), route="gradee", app=idle_app)
+    assert "'gradee'" in str(info.value) and f"known: {name}" in str(info.value)
     with pytest.raises(ValueError, match="priority must be one of val, train, bulk"):
-        qreward_queue.submit_batch(samples_(1), route="grade", priority="urgent")
+        submit(samples_(1), route=name, priority="urgent", app=idle_app)
     with pytest.raises(ValueError, match="on_invalid"):
-        qreward_queue.submit_batch(samples_(1), route="grade", on_invalid="skip")
+        submit(samples_(1), route=name, on_invalid="skip", app=idle_app)
     with pytest.raises(InvalidSamples, match="samples must be a list"):
-        qreward_queue.submit_batch({"prompt": "p", "response": "r"}, route="grade")
-    assert judge.stats()["requests"] == 0
+        submit({"prompt": "p", "response": "r"}, route=name, app=idle_app)
+    with pytest.raises(InvalidSamples):
+        submit([*samples_(3), {"prompt": "p"}], route=name, app=idle_app)
+    assert queued(idle_app) == 0
 
 
-@pytest.mark.parametrize("priority", ["val", "train", "bulk"])
-def test_every_priority_is_served(setup, judge, priority):
-    config = judge_setup(setup, judge)
-    samples = samples_(3)
-    scores = qreward_queue.score(samples, route="grade", priority=priority)
-    assert scores == expected(config, "a", samples)
+def test_empty_and_all_invalid_batches_return_at_once(idle_app):
+    (name,) = idle_app.qrq_config.backends
+    empty = qreward_queue.submit_batch([], route=name, app=idle_app)
+    assert empty.done() and len(empty) == 0 and empty.get() == []
+    invalid = qreward_queue.submit_batch(
+        [1, {"prompt": "p", "id": "x"}], route=name, on_invalid="outcome", app=idle_app
+    )
+    assert invalid.done() and invalid.completed == 2
+    outcomes = invalid.outcomes()
+    assert [o.status for o in outcomes] == ["error", "error"]
+    assert [o.id for o in outcomes] == [None, "x"]
+    assert queued(idle_app) == 0
+
+
+def test_one_task_per_judge_sample_expiring_at_the_deadline(idle_app):
+    (name,) = idle_app.qrq_config.backends
+    batch = qreward_queue.submit_batch(samples_(3), route=name, deadline_s=5, app=idle_app)
+    assert queued(idle_app) == 3 and not batch.done()
+    with idle_app.connection_for_read() as conn:
+        message = conn.SimpleQueue(idle_app.qrq_config.backends[name].queue).get(timeout=5)
+    # Celery reads a number as "seconds from now": the task must die with the batch
+    expires = datetime.fromisoformat(message.headers["expires"]).timestamp()
+    assert abs(expires - batch.deadline) < 2.0
 
 
 # --- failures inside a batch -----------------------------------------------------------------
@@ -277,6 +310,9 @@ def test_garbage_400_and_500_samples_error_while_the_rest_is_ok(setup, judge):
     assert "request rejected with 400" in bad_request.error and bad_request.attempts == 1
     assert "server error 500" in server_error.error
     assert server_error.attempts >= 3  # retried (attempts = 3 in the backend file), then gave up
+    # no worker died: the same threads score the next batch
+    follow_up = samples_(2, start=50)
+    assert qreward_queue.score(follow_up, route="grade") == expected(config, "a", follow_up)
 
 
 def test_reward_model_batch_isolates_its_bad_item(setup, judge):
@@ -332,62 +368,9 @@ def test_deadline_gives_timeout_with_the_fallback_and_returns_on_time(setup, jud
     outcomes = batch.outcomes()
     assert time.monotonic() - started < 1.5  # by about the deadline, not the judge's 3 s hang
     hung = outcomes[2]
-    assert hung.status == "timeout" and hung.score == FALLBACK
+    assert hung.status == "timeout" and hung.score == FALLBACK and hung.id == "h"
     assert "deadline" in hung.error
     ok = [o for i, o in enumerate(outcomes) if i != 2]
     assert [o.score for o in ok] == expected(config, "a", good)
     assert {o.status for o in ok} == {"ok"}
     assert batch.done() and batch.completed == 6
-
-
-def test_get_timeout_shorter_than_the_deadline_raises_and_can_be_retried(setup, make_judge):
-    judge = make_judge(latency_ms=400)
-    config = judge_setup(setup, judge)
-    samples = samples_(2)
-    batch = qreward_queue.submit_batch(samples, route="grade")
-    with pytest.raises(TimeoutError, match="call get\\(\\) again"):
-        batch.get(timeout=0.05)
-    assert batch.get(timeout=30) == expected(config, "a", samples)
-
-
-# --- bugs --------------------------------------------------------------------------------------
-
-
-@pytest.mark.xfail(
-    reason="BUG: client.submit_batch passes expires=deadline (an epoch timestamp) but Celery "
-    "reads a number as seconds FROM NOW, so tasks expire ~55 years later: work queued behind "
-    "a passed deadline still runs and spends the backend's rate limit",
-    strict=True,
-)
-def test_queued_tasks_expire_at_the_batch_deadline(judge):
-    name = f"probe{time.monotonic_ns()}"  # a queue no worker consumes
-    backend = Backend(name=name, kind="judge", url=judge.url + "/v1", model="m")
-    app = QrqCelery(Config(redis_url=None, backends={name: backend}, routes={}))
-    batch = qreward_queue.submit_batch(samples_(1), route=name, deadline_s=5, app=app)
-    with app.connection_for_read() as conn:
-        queue = conn.SimpleQueue(backend.queue)
-        message = queue.get(timeout=5)
-        message.ack()
-        queue.close()
-    expires = datetime.fromisoformat(message.headers["expires"]).timestamp()
-    assert abs(expires - batch.deadline) < 2.0
-
-
-@pytest.mark.xfail(
-    reason="BUG: the sample's id is only carried on outcomes a worker produced; client.py builds "
-    "invalid-sample outcomes (submit_batch) and deadline timeouts (RewardBatch._expire) "
-    "without it, so a caller joining outcomes on id loses exactly the failed ones",
-    strict=True,
-)
-def test_every_outcome_carries_its_samples_id(setup, judge):
-    judge_setup(setup, judge, timeout_s=1.0)
-    batch_in = [
-        {"prompt": "p", "response": "fine", "id": "ok"},
-        {"prompt": "p", "response": 5, "id": "invalid"},
-        {"prompt": "p", "response": "[[mock:hang]]", "id": "hang"},
-    ]
-    batch = qreward_queue.submit_batch(batch_in, route="grade", deadline_s=0.5,
-                                       on_invalid="outcome")
-    outcomes = batch.outcomes()
-    assert [o.status for o in outcomes] == ["ok", "error", "timeout"]
-    assert [o.id for o in outcomes] == ["ok", "invalid", "hang"]

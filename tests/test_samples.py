@@ -124,12 +124,6 @@ def test_size_counts_utf8_bytes_not_characters():
     assert "exceeds" in sample_problem(sample, max_bytes=size - 1)
 
 
-@pytest.mark.xfail(
-    reason="BUG: samples.sample_problem sorts the unknown keys themselves; keys of mixed "
-    "types (e.g. 1 and 'zz') make sorted() raise TypeError instead of naming the sample",
-    raises=TypeError,
-    strict=True,
-)
 def test_unknown_keys_of_mixed_types_are_reported_not_crashed():
     problems = validate_samples([good(), {**good(), 1: "a", "zz": "b"}], raise_errors=False)
     assert list(problems) == [1] and "unknown field" in problems[1]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import requests
+import urllib3
 from requests.adapters import HTTPAdapter
 
 from ..config import Backend
@@ -65,16 +66,17 @@ def post_json(config: Backend, url: str, payload: dict) -> Reply:
         )
         raw = resp.raw.read(MAX_REPLY_BYTES + 1, decode_content=True)
         resp.close()
-    except requests.Timeout:
+    except (requests.Timeout, urllib3.exceptions.ReadTimeoutError):
         raise TransientError(f"no reply within {config.timeout_s:g} s", timed_out=True) from None
-    except requests.RequestException as exc:
+    except (requests.RequestException, urllib3.exceptions.HTTPError, OSError) as exc:
         raise TransientError(f"connection failed: {type(exc).__name__}") from None
     reply_headers = {k.lower(): v for k, v in resp.headers.items()}
     facts = {"status_code": resp.status_code, "headers": reply_headers}
     text = raw[:500].decode("utf-8", "replace")
     if resp.status_code == 429:
-        wait = parse_retry_after(reply_headers.get("retry-after"))
-        raise RateLimited("rate limited (429)", text, retry_after_s=wait, **facts)
+        raise RateLimited(
+            "rate limited (429)", text, retry_after_s=_retry_after(reply_headers), **facts
+        )
     if resp.status_code >= 500:
         raise TransientError(f"server error {resp.status_code}", text, **facts)
     if resp.status_code >= 400:
@@ -86,3 +88,12 @@ def post_json(config: Backend, url: str, payload: dict) -> Reply:
     except ValueError:
         raise PermanentError("reply is not JSON", text, **facts) from None
     return Reply(resp.status_code, reply_headers, body)
+
+
+def _retry_after(headers: dict[str, str]) -> float | None:
+    """The 429's Retry-After in seconds; None when absent or unreadable."""
+    value = headers.get("retry-after")
+    try:
+        return parse_retry_after(value) if value else None
+    except ValueError:
+        return None

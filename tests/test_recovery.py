@@ -1,0 +1,160 @@
+"""Never lose a reward (DESIGN.md section 6): a Redis restart and a vanished worker.
+
+Real Redis, real `qrq worker` subprocesses, mock judges over HTTP. The Redis restart runs
+on a PRIVATE redis-server started here (no persistence, so a restart loses every queue,
+result and key); the shared test Redis is never touched by it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import redis
+from support import (
+    free_port,
+    judge_backend,
+    start_workers,
+    tasks_received,
+    wait_for,
+    write_config,
+)
+
+import qreward_queue
+from qreward_queue.backends.judge import JudgeBackend
+from qreward_queue.mock_judge import MockJudgeSettings, spawn, verdict
+
+FALLBACK = -1.0
+
+
+@pytest.fixture
+def stack():
+    with contextlib.ExitStack() as s:
+        yield s
+
+
+def expected(app, backend: str, sample: dict) -> float:
+    return verdict(JudgeBackend(app.backend_config(backend)).render(sample))
+
+
+def samples_for(n: int, tag: str) -> list[dict]:
+    return [{"prompt": f"{tag} question {i}", "response": f"answer {i * 3}"} for i in range(n)]
+
+
+class PrivateRedis:
+    """`redis-server` on its own port, without RDB or AOF: a restart loses everything."""
+
+    def __init__(self, directory: Path, port: int | None = None):
+        self.directory, self.port = directory, port or free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> PrivateRedis:
+        log = (self.directory / f"redis-{self.port}.log").open("a")
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+             "--save", "", "--appendonly", "no", "--dir", str(self.directory)],
+            stdout=log, stderr=subprocess.STDOUT,
+        )
+        log.close()
+        client = redis.Redis.from_url(self.url, socket_connect_timeout=0.5)
+
+        def up() -> bool:
+            assert self.proc is not None and self.proc.poll() is None, "redis-server exited"
+            with contextlib.suppress(redis.ConnectionError):
+                return bool(client.ping())
+            return False
+
+        wait_for(up, timeout_s=10, what=f"redis-server on port {self.port}")
+        client.close()
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would (nothing is saved: there is nothing to save to)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def test_redis_restart_loses_no_reward(tmp_path, stack):
+    # Given a private Redis without persistence, one worker and a judge at ~100 ms a call
+    server = PrivateRedis(tmp_path).start()
+    stack.callback(server.kill)
+    judge = stack.enter_context(spawn(MockJudgeSettings(latency_ms=100, latency_cv=0.2)))
+    backend = judge_backend(judge.url, concurrency=8)
+    config_path = write_config(
+        tmp_path, {"j": backend}, redis_url=server.url, fallback_score=FALLBACK
+    )
+    app = qreward_queue.configure(qreward_queue.load_config(config_path))
+    (worker,) = start_workers(config_path, [("j", None)])
+    stack.callback(worker.kill)
+    samples = samples_for(300, "restart")
+    deadline_s = 90
+    # When Redis is SIGKILLed once about a third is done, and back (empty) 2 s later
+    started = time.monotonic()
+    batch = qreward_queue.submit_batch(samples, route="j", app=app, deadline_s=deadline_s)
+    wait_for(lambda: batch.completed >= 100, timeout_s=30, what="a third of the batch")
+    done_before = batch.completed
+    assert done_before < 250, "the batch finished before Redis could be killed"
+    server.kill()
+    time.sleep(2)
+    server.start()
+    outcomes = batch.outcomes(timeout=deadline_s - 5)
+    elapsed = time.monotonic() - started
+    # Then get() returns before the deadline, every sample with an outcome, every one right
+    assert elapsed < deadline_s - 5, elapsed
+    assert len(outcomes) == 300 and all(o is not None for o in outcomes)
+    statuses = {o.status for o in outcomes}
+    assert statuses <= {"ok", "timeout"}, statuses
+    for i, (sample, outcome) in enumerate(zip(samples, outcomes, strict=True)):
+        if outcome.status == "ok":
+            assert outcome.score == expected(app, "j", sample), (i, outcome)
+        else:  # only an explicit timeout may stand in for a score
+            assert outcome.score == FALLBACK and outcome.error, (i, outcome)
+    assert statuses == {"ok"}, [o for o in outcomes if o.status != "ok"][:3]
+    # because the client noticed the lost work and sent it again
+    assert batch.resubmitted > 0
+    assert judge.stats()["accepted"] >= 300 - done_before
+    assert worker.proc.poll() is None, worker.log.read_text()[-3000:]
+
+
+def test_vanished_worker_work_is_resubmitted_long_before_visibility_timeout(
+    tmp_path, redis_url, stack
+):
+    # Given two workers on one backend, with a visibility timeout (600 s) far beyond the test,
+    # so kombu redelivering the dead worker's unacked messages cannot be what saves the batch
+    judge = stack.enter_context(spawn(MockJudgeSettings(latency_ms=300, latency_cv=0.2)))
+    config_path = write_config(
+        tmp_path,
+        {"j": judge_backend(judge.url, concurrency=8)},
+        redis_url=redis_url,
+        fallback_score=FALLBACK,
+        visibility_timeout_s=600,
+    )
+    app = qreward_queue.configure(qreward_queue.load_config(config_path))
+    doomed, survivor = start_workers(
+        config_path, [("j", "doomed@recovery"), ("j", "survivor@recovery")]
+    )
+    stack.callback(doomed.kill)
+    stack.callback(survivor.kill)
+    samples = samples_for(100, "vanish")
+    batch = qreward_queue.submit_batch(samples, route="j", app=app, deadline_s=300)
+    # When one worker is SIGKILLed mid-batch, with tasks in its hands
+    wait_for(lambda: batch.completed >= 20, timeout_s=30, what="20 samples")
+    wait_for(lambda: tasks_received(doomed) >= 8, timeout_s=10, what="the doomed worker busy")
+    doomed.kill()
+    killed_at = time.monotonic()
+    assert batch.completed < 100, "the batch finished before the worker could be killed"
+    outcomes = batch.outcomes(timeout=60)
+    recovered_in = time.monotonic() - killed_at
+    # Then every sample is scored and right, within ~40 s (the heartbeat lapses after 15 s)
+    assert recovered_in < 40, recovered_in
+    for i, (sample, outcome) in enumerate(zip(samples, outcomes, strict=True)):
+        assert outcome.status == "ok", (i, outcome)
+        assert outcome.score == expected(app, "j", sample), (i, outcome)
+    # because the client resubmitted what the dead worker had started
+    assert batch.resubmitted > 0
+    assert survivor.proc.poll() is None

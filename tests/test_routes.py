@@ -1,0 +1,362 @@
+"""Routes end to end: spreading, failover, retries and deadlines (DESIGN.md sections 2-4).
+
+Real Redis, real `qrq worker` subprocesses, mock judges over HTTP. Every expected score is
+recomputed from the mock judge's rule (`verdict` of the rendered prompt).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+from pathlib import Path
+
+import pytest
+import redis
+from support import (
+    judge_backend,
+    start_workers,
+    tasks_received,
+    wait_for,
+    write_config,
+)
+
+import qreward_queue
+from qreward_queue.backends.judge import JudgeBackend
+from qreward_queue.mock_judge import MockJudgeSettings, spawn, verdict
+from qreward_queue.status import queue_depth
+
+FALLBACK = -1.0  # no judge gives this, so a fallback score cannot pass for a real one
+
+
+@pytest.fixture
+def stack():
+    """Everything a test starts (mock judges, workers) is stopped at the end, even on failure."""
+    with contextlib.ExitStack() as s:
+        yield s
+
+
+def judges(stack, *settings: MockJudgeSettings):
+    return [stack.enter_context(spawn(s)) for s in settings]
+
+
+def workers(stack, config_path: Path, *specs: tuple[str, str | None]):
+    started = start_workers(config_path, list(specs))
+    for w in started:
+        stack.callback(w.kill)  # nothing graceful needed at the end, and hung tasks can't stall
+    return started
+
+
+def make_app(config_path: Path):
+    return qreward_queue.configure(qreward_queue.load_config(config_path))
+
+
+def samples_for(n: int, tag: str) -> list[dict]:
+    return [
+        {"prompt": f"{tag} question {i}", "response": f"answer {i * 7}", "reference": str(i)}
+        for i in range(n)
+    ]
+
+
+def expected(app, backend: str, sample: dict) -> float:
+    return verdict(JudgeBackend(app.backend_config(backend)).render(sample))
+
+
+def assert_all_ok(app, samples, outcomes) -> None:
+    assert len(outcomes) == len(samples)
+    for i, (sample, outcome) in enumerate(zip(samples, outcomes, strict=True)):
+        assert outcome.status == "ok", (i, outcome)
+        assert outcome.score == expected(app, outcome.backend, sample), (i, outcome)
+
+
+def fast_retry(backend: dict, attempts=3, threshold=5, cooldown_s=30.0) -> dict:
+    backend["retry"].update(
+        attempts=attempts,
+        backoff_base_s=0.05,
+        backoff_cap_s=0.2,
+        breaker_threshold=threshold,
+        breaker_cooldown_s=cooldown_s,
+    )
+    return backend
+
+
+# --------------------------------------------------------------------------------------------
+# Load is spread in proportion to the backends' limits
+
+
+def test_route_spreads_load_in_proportion_to_rpm(tmp_path, redis_url, stack):
+    # Given three judges limited to 600, 1200 and 1800 requests/min, one worker each
+    rpms = {"slow": 600, "mid": 1200, "fast": 1800}
+    mocks = dict(
+        zip(
+            rpms,
+            judges(
+                stack,
+                *[MockJudgeSettings(latency_ms=20, latency_cv=0.3, rpm=r, seed=k)
+                  for k, r in enumerate(rpms.values())],
+            ),
+            strict=True,
+        )
+    )
+    config_path = write_config(
+        tmp_path,
+        {n: judge_backend(mocks[n].url, rpm=r) for n, r in rpms.items()},
+        redis_url=redis_url,
+        routes={"r": list(rpms)},
+        fallback_score=FALLBACK,
+    )
+    app = make_app(config_path)
+    workers(stack, config_path, *[(n, None) for n in rpms])
+    samples = samples_for(300, "spread")
+    # When 300 samples are submitted on the route
+    started = time.monotonic()
+    batch = qreward_queue.submit_batch(samples, route="r", app=app, deadline_s=120)
+    outcomes = batch.outcomes(timeout=60)
+    elapsed = time.monotonic() - started
+    # Then every score is right, and each backend served about its share of 1:2:3
+    assert_all_ok(app, samples, outcomes)
+    used = {n: sum(o.backend == n for o in outcomes) for n in rpms}
+    for name, want in zip(rpms, (50, 100, 150), strict=True):
+        assert abs(used[name] - want) <= 0.1 * want, used
+        assert mocks[name].stats()["accepted"] == used[name]
+    # and they ran at once: ~5 s at 3600/min, while the fastest alone needs 10 s
+    assert elapsed < 9, elapsed
+
+
+# --------------------------------------------------------------------------------------------
+# Failover to a sibling backend and the circuit breaker
+
+
+def test_dead_backend_fails_over_and_its_circuit_opens(tmp_path, redis_url, stack):
+    # Given a route over two judges, each with a live worker, and judge a dead (crashed)
+    judge_a, judge_b = judges(
+        stack, MockJudgeSettings(latency_ms=20, seed=1), MockJudgeSettings(latency_ms=20, seed=2)
+    )
+    backends = {
+        "a": fast_retry(judge_backend(judge_a.url), attempts=2, threshold=3, cooldown_s=120),
+        "b": fast_retry(judge_backend(judge_b.url), attempts=2, threshold=3, cooldown_s=120),
+    }
+    config_path = write_config(
+        tmp_path, backends, redis_url=redis_url, routes={"r": ["a", "b"]},
+        fallback_score=FALLBACK,
+    )
+    app = make_app(config_path)
+    worker_a, _ = workers(stack, config_path, ("a", None), ("b", None))
+    judge_a.kill()
+    # When a batch is submitted on the route (half of it planned on a)
+    samples = samples_for(60, "failover")
+    outcomes = qreward_queue.submit_batch(
+        samples, route="r", app=app, deadline_s=90
+    ).outcomes(timeout=60)
+    # Then every sample is scored by b, none is lost or zeroed
+    assert_all_ok(app, samples, outcomes)
+    assert {o.backend for o in outcomes} == {"b"}
+    assert judge_b.stats()["accepted"] == 60
+    assert tasks_received(worker_a) > 0  # a really got work and passed it on
+    # and a's circuit is open for every process (state in Redis), b's is closed
+    assert app.breaker("a").is_open()
+    assert not app.breaker("b").is_open()
+
+    # When a second batch is submitted while a's circuit is open
+    received_by_a = tasks_received(worker_a)
+    more = samples_for(40, "after-failover")
+    second = qreward_queue.submit_batch(more, route="r", app=app, deadline_s=60)
+    assert queue_depth(app.store, app.backend_config("a").queue) == 0
+    outcomes = second.outcomes(timeout=30)
+    # Then nothing was sent to a: every sample went straight to b, first time
+    assert_all_ok(app, more, outcomes)
+    assert [(o.backend, o.attempts) for o in outcomes] == [("b", 1)] * 40
+    assert tasks_received(worker_a) == received_by_a
+    assert judge_b.stats()["accepted"] == 100
+
+
+# --------------------------------------------------------------------------------------------
+# Retries and permanent errors
+
+
+def quiet_seed(error_rate: float, samples: int, max_errors: int) -> tuple[int, int]:
+    """A mock-judge seed whose fault draws fail between 3 and `max_errors` of the first
+    2 * samples requests, whatever order they come in.
+
+    With latency_cv=0 the judge draws exactly two numbers per admitted request (error, hang)
+    from random.Random(seed). If the first 2n requests hold at most `max_errors` failures, a
+    batch of n samples makes at most n + max_errors requests, so no sample can fail more than
+    `max_errors` times: a batch with `max_errors + 1` attempts must end all `ok`.
+    """
+    for seed in range(10_000):
+        rng = random.Random(seed)
+        draws = []
+        for _ in range(2 * samples):
+            draws.append(rng.random() < error_rate)
+            rng.random()  # the hang draw
+        early, total = sum(draws[:samples]), sum(draws)
+        if early >= 3 and total <= max_errors:
+            return seed, total
+    raise AssertionError("no suitable seed")
+
+
+def test_transient_errors_are_retried_until_ok(tmp_path, redis_url, stack):
+    # Given a judge failing 20% of requests with 500 (seeded) and 5 attempts per sample
+    n = 20
+    seed, _ = quiet_seed(0.2, n, max_errors=4)
+    (judge,) = judges(
+        stack, MockJudgeSettings(latency_ms=20, latency_cv=0, error_rate=0.2, seed=seed)
+    )
+    config_path = write_config(
+        tmp_path, {"j": fast_retry(judge_backend(judge.url), attempts=5)},
+        redis_url=redis_url, fallback_score=FALLBACK,
+    )
+    app = make_app(config_path)
+    workers(stack, config_path, ("j", None))
+    # When a batch is scored
+    samples = samples_for(n, "retry")
+    outcomes = qreward_queue.submit_batch(
+        samples, route="j", app=app, deadline_s=60
+    ).outcomes(timeout=30)
+    # Then every sample is ok and right, some only after a retry
+    assert_all_ok(app, samples, outcomes)
+    assert any(o.attempts > 1 for o in outcomes), [o.attempts for o in outcomes]
+    assert max(o.attempts for o in outcomes) <= 5
+    # and the attempts account for every request the judge saw, failed or not
+    stats = judge.stats()
+    assert stats["errors"] >= 3
+    assert sum(o.attempts for o in outcomes) == stats["requests"]
+    assert sum(o.attempts - 1 for o in outcomes) == stats["errors"]
+
+
+def test_permanent_400_is_an_error_at_once_without_failover(tmp_path, redis_url, stack):
+    # Given a route over two healthy judges
+    judge_a, judge_b = judges(
+        stack, MockJudgeSettings(latency_ms=20, seed=1), MockJudgeSettings(latency_ms=20, seed=2)
+    )
+    config_path = write_config(
+        tmp_path,
+        {"a": fast_retry(judge_backend(judge_a.url)), "b": fast_retry(judge_backend(judge_b.url))},
+        redis_url=redis_url, routes={"r": ["a", "b"]}, fallback_score=FALLBACK,
+    )
+    app = make_app(config_path)
+    workers(stack, config_path, ("a", None), ("b", None))
+    # When a batch holds samples the judge rejects with 400
+    samples = samples_for(20, "perm")
+    bad = {1, 2, 13}
+    for i in bad:
+        samples[i]["response"] += " [[mock:400]]"
+    outcomes = qreward_queue.submit_batch(
+        samples, route="r", app=app, deadline_s=60
+    ).outcomes(timeout=30)
+    # Then those are errors after one attempt, with the fallback score, never moved elsewhere
+    for i, outcome in enumerate(outcomes):
+        if i in bad:
+            assert outcome.status == "error", (i, outcome)
+            assert outcome.attempts == 1, (i, outcome)
+            assert outcome.score == FALLBACK
+            assert "rejected with 400" in outcome.error
+            assert "sibling" not in outcome.error  # no failover was tried
+            assert outcome.backend in ("a", "b")
+        else:
+            assert outcome.status == "ok", (i, outcome)
+            assert outcome.score == expected(app, outcome.backend, samples[i])
+    # and each judge saw each sample at most once: one request per sample in all
+    stats_a, stats_b = judge_a.stats(), judge_b.stats()
+    assert stats_a["requests"] + stats_b["requests"] == 20
+    assert stats_a["client_errors"] + stats_b["client_errors"] == 3
+    assert not app.breaker("a").is_open() and not app.breaker("b").is_open()
+
+
+def test_no_sibling_left_gives_explicit_errors(tmp_path, redis_url, stack):
+    # Given a single-backend route whose judge is dead (its worker alive)
+    (judge,) = judges(stack, MockJudgeSettings(latency_ms=20))
+    config_path = write_config(
+        tmp_path, {"solo": fast_retry(judge_backend(judge.url), attempts=2)},
+        redis_url=redis_url, fallback_score=FALLBACK,
+    )
+    app = make_app(config_path)
+    workers(stack, config_path, ("solo", None))
+    judge.kill()
+    # When a batch is scored
+    samples = samples_for(10, "orphan")
+    batch = qreward_queue.submit_batch(samples, route="solo", app=app, deadline_s=60)
+    started = time.monotonic()
+    scores = batch.get(timeout=30)
+    # Then get() still returns, with the fallback score, well before the deadline
+    assert scores == [FALLBACK] * 10
+    assert time.monotonic() - started < 20
+    # and every outcome is an error saying why: the call failed and nowhere else was left
+    for outcome in batch.outcomes():
+        assert outcome.status == "error", outcome
+        assert outcome.backend == "solo" and outcome.attempts == 2, outcome
+        assert "connection failed" in outcome.error, outcome
+        assert "no sibling backend left" in outcome.error, outcome
+
+
+# --------------------------------------------------------------------------------------------
+# Deadlines
+
+
+HANG_S = 8.0  # past the 5 s deadline, short enough that late results land during the test
+
+
+def test_deadline_returns_timeouts_and_late_results_do_not_leak(tmp_path, redis_url, stack):
+    # Given a worker whose judge hangs on some samples (and a backend timeout longer still)
+    (judge,) = judges(stack, MockJudgeSettings(latency_ms=50, latency_cv=0.2, hang_s=HANG_S))
+    backend = judge_backend(judge.url, concurrency=8)
+    backend["backend"]["timeout_s"] = 60
+    config_path = write_config(
+        tmp_path, {"j": backend}, redis_url=redis_url, fallback_score=FALLBACK
+    )
+    app = make_app(config_path)
+    workers(stack, config_path, ("j", None))
+    samples = samples_for(23, "deadline")
+    hung = {2, 9, 15}
+    for i in hung:
+        samples[i]["response"] += " [[mock:hang]]"
+    # When the batch has a 5 s deadline
+    started = time.monotonic()
+    batch = qreward_queue.submit_batch(samples, route="j", app=app, deadline_s=5)
+    outcomes = batch.outcomes()
+    elapsed = time.monotonic() - started
+    # Then get() returns by the deadline, the stuck samples as explicit timeouts
+    assert 4.5 <= elapsed <= 7.0, elapsed
+    for i, outcome in enumerate(outcomes):
+        if i in hung:
+            assert outcome.status == "timeout", (i, outcome)
+            assert outcome.score == FALLBACK
+            assert "deadline" in outcome.error
+        else:
+            assert outcome.status == "ok", (i, outcome)
+            assert outcome.score == expected(app, "j", samples[i])
+    assert batch.get() == [o.score for o in outcomes]
+    assert batch.resubmitted == 0  # stuck on a live worker is not lost: nothing sent twice
+    first = [o.to_dict() for o in outcomes]
+
+    # When a second batch (the same samples in another order, plus new ones) runs while the
+    # first batch's stuck calls are still in flight
+    ok_samples = [s for i, s in enumerate(samples) if i not in hung]
+    more = ok_samples[::-1] + samples_for(10, "second")
+    assert judge.stats()["hangs"] == 3
+    outcomes = qreward_queue.submit_batch(
+        more, route="j", app=app, deadline_s=60
+    ).outcomes(timeout=30)
+    # Then its scores are its own samples', by the rule
+    assert_all_ok(app, more, outcomes)
+
+    # When the stuck calls finally answer (late results of the first batch land in Redis)
+    wait_for(
+        lambda: judge.stats()["accepted"] == 20 + len(more) + 3,
+        timeout_s=HANG_S + 10,
+        what="the hung calls to finish",
+    )
+    client = redis.Redis.from_url(redis_url)
+    wait_for(
+        lambda: sum(1 for _ in client.scan_iter("qrq:celery-task-meta-*")) == 23 + len(more),
+        timeout_s=10,
+        what="the late results to be stored",
+    )
+    client.close()
+    # Then the first batch's answer does not change, and a third batch is still right
+    assert [o.to_dict() for o in batch.outcomes()] == first
+    third = samples_for(10, "third") + ok_samples[:5]
+    outcomes = qreward_queue.submit_batch(
+        third, route="j", app=app, deadline_s=60
+    ).outcomes(timeout=30)
+    assert_all_ok(app, third, outcomes)
