@@ -120,7 +120,6 @@ def celery_settings(config: Config) -> dict:
         "worker_enable_soft_shutdown_on_idle": True,
         "task_default_queue": "qrq.default",
         "task_track_started": True,
-        "default_retry_delay": 2,
     }
     if config.embedded:
         settings.update(

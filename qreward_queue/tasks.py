@@ -24,6 +24,7 @@ from .samples import Outcome
 TASK_NAME = "qrq.score_chunk"
 MAX_THROTTLED_CALLS = 20
 MAX_LIMITER_WAIT_S = 30.0
+MAX_TASK_RETRIES = 100
 
 
 @cache
@@ -211,4 +212,8 @@ def _settled(outcome: Outcome, sample: dict, fallback: float, note: str = "") ->
 
 def register(app) -> None:
     """Register the qrq tasks on `app` (every QrqCelery does this once)."""
-    app.task(bind=True, name=TASK_NAME, max_retries=None)(score_chunk)
+    # score_chunk bounds its own retries (attempts, siblings, deadline); max_retries only stops
+    # a poison sample that kills its pool child every time. Such a task comes back after 2 s
+    # (task_retry_on_worker_lost), not after Celery's default 180 s.
+    app.task(bind=True, name=TASK_NAME, max_retries=MAX_TASK_RETRIES,
+             default_retry_delay=2)(score_chunk)

@@ -17,7 +17,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
-import urllib3
 
 from qreward_queue.backends import make_backend
 from qreward_queue.backends.function import FunctionBackend

@@ -296,7 +296,7 @@ def test_broken_backend_file_is_named_by_load_config(tmp_path):
         (JUDGE + "max_tokens = 0\n", "backend.max_tokens", "an integer >= 1"),
         (JUDGE + "max_tokens = true\n", "backend.max_tokens", "an integer"),
         (JUDGE + "chunk_size = 2.5\n", "backend.chunk_size", "an integer"),
-        (JUDGE + "api_key_env = 12\n", "backend.api_key_env", "the NAME of an environment variable"),
+        (JUDGE + "api_key_env = 12\n", "backend.api_key_env", "the NAME of an environment"),
         (JUDGE + 'name = "has space"\n', "backend.name", "letters, digits"),
         (JUDGE + 'modle = "x"\n', "backend.modle", "unknown key"),
         (JUDGE + 'score_pattern = "Score: ("\n', "backend.score_pattern", "a valid regex"),

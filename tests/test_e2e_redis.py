@@ -173,8 +173,10 @@ class PubSubRecorder:
 
     def __init__(self, url: str):
         self.client = redis.Redis.from_url(url)
+        db = self.client.connection_pool.connection_kwargs.get("db", 0)
         self.pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-        self.pubsub.psubscribe("*")
+        # kombu's fanout channels (events, pidbox) name the database: "qrq:/<db>.celeryev/..."
+        self.pubsub.psubscribe(f"*/{db}.*", "qrq:celery-task-meta-*")
         self.messages: list[tuple[bytes, bytes]] = []
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)

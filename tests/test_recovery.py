@@ -158,3 +158,47 @@ def test_vanished_worker_work_is_resubmitted_long_before_visibility_timeout(
     # because the client resubmitted what the dead worker had started
     assert batch.resubmitted > 0
     assert survivor.proc.poll() is None
+
+
+@pytest.mark.xfail(
+    reason=(
+        "BUG: client.py RewardBatch._lost_chunks only checks tasks in state STARTED; a task "
+        "waiting out a retry countdown (state RETRY, its ETA message reserved by a worker) "
+        "that the worker dies with is never resubmitted and comes back as `timeout` at the "
+        "deadline (kombu restores it only after visibility_timeout)"
+    ),
+    strict=True,
+    raises=AssertionError,
+)
+def test_vanished_worker_holding_retries_is_resubmitted(tmp_path, redis_url, stack):
+    # Given a judge that is down for now (its port reserved), a fixed 6 s retry backoff, and
+    # one worker that takes every task and every retry message (ETA) of a batch
+    port = free_port()
+    backend = judge_backend(f"http://127.0.0.1:{port}", concurrency=8)
+    backend["retry"].update(attempts=5, backoff_base_s=6.0, backoff_cap_s=6.0, jitter=False)
+    config_path = write_config(
+        tmp_path, {"j": backend}, redis_url=redis_url, fallback_score=FALLBACK,
+        visibility_timeout_s=600,
+    )
+    app = qreward_queue.configure(qreward_queue.load_config(config_path))
+    (doomed,) = start_workers(config_path, [("j", "doomed@retry")])
+    stack.callback(doomed.kill)
+    samples = samples_for(8, "held")
+    deadline_s = 25
+    batch = qreward_queue.submit_batch(samples, route="j", app=app, deadline_s=deadline_s)
+    try:  # a broken precondition must not pass for the expected failure
+        wait_for(lambda: tasks_received(doomed) >= 16, timeout_s=5, what="retries reserved")
+    except AssertionError as exc:
+        raise RuntimeError(exc) from None
+    # When that worker dies while holding the retries, and the judge and a new worker come up
+    doomed.kill()
+    stack.enter_context(spawn(MockJudgeSettings(latency_ms=20, port=port)))
+    (survivor,) = start_workers(config_path, [("j", "survivor@retry")])
+    stack.callback(survivor.kill)
+    started = time.monotonic()
+    outcomes = batch.outcomes()
+    # Then the held work is sent again (the dead worker's heartbeat lapses after 15 s)
+    assert [o.status for o in outcomes] == ["ok"] * 8, [o.error for o in outcomes]
+    assert [o.score for o in outcomes] == [expected(app, "j", s) for s in samples]
+    assert batch.resubmitted > 0
+    assert time.monotonic() - started < deadline_s

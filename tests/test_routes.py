@@ -123,6 +123,34 @@ def test_route_spreads_load_in_proportion_to_rpm(tmp_path, redis_url, stack):
     assert elapsed < 9, elapsed
 
 
+def test_queued_backlog_steers_new_work_to_the_idle_backend(tmp_path, redis_url, stack):
+    # Given a route over two equal judges, and 60 samples already queued for a (no worker yet)
+    judge_a, judge_b = judges(
+        stack, MockJudgeSettings(latency_ms=20, seed=1), MockJudgeSettings(latency_ms=20, seed=2)
+    )
+    config_path = write_config(
+        tmp_path,
+        {"a": judge_backend(judge_a.url, rpm=1200), "b": judge_backend(judge_b.url, rpm=1200)},
+        redis_url=redis_url, routes={"r": ["a", "b"]}, fallback_score=FALLBACK,
+    )
+    app = make_app(config_path)
+    backlog_samples = samples_for(60, "backlog")
+    backlog = qreward_queue.submit_batch(backlog_samples, route="a", app=app, deadline_s=60)
+    assert queue_depth(app.store, app.backend_config("a").queue) == 60
+    # When 60 new samples are submitted on the route
+    fresh = samples_for(60, "fresh")
+    batch = qreward_queue.submit_batch(fresh, route="r", app=app, deadline_s=60)
+    # Then they all go to b: a's backlog alone takes as long as b needs for all of them
+    assert queue_depth(app.store, app.backend_config("a").queue) == 60
+    assert queue_depth(app.store, app.backend_config("b").queue) == 60
+    workers(stack, config_path, ("a", None), ("b", None))
+    outcomes = batch.outcomes(timeout=30)
+    assert_all_ok(app, fresh, outcomes)
+    assert {o.backend for o in outcomes} == {"b"}
+    assert_all_ok(app, backlog_samples, backlog.outcomes(timeout=30))
+    assert judge_a.stats()["accepted"] == 60 and judge_b.stats()["accepted"] == 60
+
+
 # --------------------------------------------------------------------------------------------
 # Failover to a sibling backend and the circuit breaker
 

@@ -5,8 +5,8 @@ Two ways a worker dies:
   the visibility timeout, when a surviving worker's restore sweep finds them (the client's
   liveness check may resubmit them sooner; either way nothing may be missing);
 - one prefork pool child is SIGKILLed: the main process sees WorkerLostError and the task runs
-  again at once (task_reject_on_worker_lost / task_retry_on_worker_lost), whatever the
-  visibility timeout.
+  again within seconds (task_reject_on_worker_lost / task_retry_on_worker_lost, delayed by the
+  task's default_retry_delay), whatever the visibility timeout.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import re
 import signal
 import time
 
-import pytest
 from support import (
     Worker,
     child_pids,
@@ -103,16 +102,6 @@ def test_nothing_lost_when_a_whole_worker_is_killed(tmp_path, redis_url):
 POOL_CHILD_BOUND_S = 20
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: qreward_queue/app.py sets 'default_retry_delay': 2 as a Celery setting, but Celery "
-        "has no such setting (it is a Task attribute), so score_chunk keeps Celery's 180 s and "
-        "task_retry_on_worker_lost runs a killed child's task again only after 3 minutes "
-        "(worker log: 'Retry in 180s: WorkerLostError'). Fix: register the task with "
-        "default_retry_delay=2 in qreward_queue/tasks.py::register."
-    ),
-)
 def test_killed_pool_child_task_is_redelivered_and_scored(tmp_path, redis_url):
     # Given a prefork function worker (default visibility timeout: 900 s) and one slow sample
     # whose reward function writes down the pid of the pool child running it
