@@ -25,6 +25,7 @@ from .config import Route
 from .routing import Chunk, plan, route_shares
 from .runtime import get_app
 from .samples import Outcome, validate_samples
+from .status import queue_depth
 from .tasks import TASK_NAME
 
 Priority = Literal["val", "train", "bulk"]
@@ -63,6 +64,7 @@ class RewardBatch:
         self._pending: dict[str, Chunk] = {}
         self._sentinel: str | None = None
         self._next_liveness_check = time.monotonic() + LIVENESS_CHECK_S
+        self._stateless: set[str] = set()
         self.resubmitted = 0
 
     def __len__(self) -> int:
@@ -169,7 +171,9 @@ class RewardBatch:
 
     def _lost_chunks(self, metas: dict[str, dict]) -> dict[str, Chunk]:
         """Tasks whose result will never come: all of them when Redis lost the batch's
-        sentinel, else those started by a worker whose heartbeat has lapsed."""
+        sentinel; those started by a worker whose heartbeat lapsed; and those in no state at
+        all while every queue of the route is empty (a message lost between a worker's pop
+        and its bookkeeping), seen so at two checks in a row."""
         if self.app.qrq_config.embedded or time.monotonic() < self._next_liveness_check:
             return {}
         self._next_liveness_check = time.monotonic() + LIVENESS_CHECK_S
@@ -181,11 +185,17 @@ class RewardBatch:
             for i, m in metas.items()
             if m["status"] == STARTED and isinstance(m.get("result"), dict)
         }
-        if not started:
-            return {}
         hosts = sorted({h for h in started.values() if h})
         alive = dict(zip(hosts, store.mget([f"qrq:alive:{h}" for h in hosts]), strict=True))
-        return {i: self._pending[i] for i, h in started.items() if h and not alive.get(h)}
+        lost = {i: self._pending[i] for i, h in started.items() if h and not alive.get(h)}
+        stateless = {i for i in self._pending if i not in metas}
+        if stateless and not any(queue_depth(store, self.app.backend_config(b).queue)
+                                 for b in self.route.backends):
+            lost.update({i: self._pending[i] for i in stateless & self._stateless})
+            self._stateless = stateless
+        else:
+            self._stateless = set()
+        return lost
 
     def _settle(self, chunk: Chunk, meta: dict) -> None:
         status, result = meta["status"], meta.get("result")
