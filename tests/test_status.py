@@ -1,0 +1,60 @@
+"""`qrq status` shows each backend's queue, buckets, leases, adaptive concurrency and 429s."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from support import ROOT, judge_backend, write_config
+
+import qreward_queue as qrq
+from qreward_queue.app import QrqCelery
+from qreward_queue.status import backend_rows
+
+
+def test_status_reports_what_the_limiter_and_queue_hold(tmp_path, redis_url):
+    config_path = write_config(
+        tmp_path, {"ja": judge_backend("http://127.0.0.1:9", rpm=600, max_concurrent=8)},
+        redis_url=redis_url, route="ja",
+    )
+    app = QrqCelery(qrq.load_config(config_path))
+    limiter = app.limiter("ja")
+    with limiter.acquire(tokens=10):
+        (row,) = backend_rows(app)
+        assert row["leases_in_use"] == 1
+    limiter.feedback(429, {"retry-after": "1"})
+    # Given three queued tasks and a 429, when the status is read
+    app.send_task("qrq.score_chunk", kwargs={}, queue="qrq.ja", priority=6)
+    app.send_task("qrq.score_chunk", kwargs={}, queue="qrq.ja", priority=0)
+    app.send_task("qrq.score_chunk", kwargs={}, queue="qrq.ja", priority=9)
+    (row,) = backend_rows(app)
+    assert row["queued"] == 3
+    assert row["recent_429s"] == 1
+    assert row["leases_in_use"] == 0
+    assert row["adaptive_limit"] == 4  # halved from 8 by the 429
+    assert row["limits"]["rpm"]["capacity"] == 10
+    # Then the command prints the same figures in one line per backend
+    env = {**os.environ, "QRQ_CONFIG": str(config_path)}
+    env.pop("QRQ_REDIS_URL", None)
+    out = subprocess.run([sys.executable, "-m", "qreward_queue.cli", "status"], env=env,
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("qrq: distributed mode")
+    (ja,) = [line for line in lines if line.startswith("ja ")]
+    fields = ja.split()
+    assert fields[1:3] == ["judge", "3"]
+    assert fields[-3:-1] == ["4", "1"]  # adaptive limit, 429s in the last minute
+
+
+def test_status_in_embedded_mode_says_there_is_no_shared_state(tmp_path):
+    config_path = write_config(tmp_path, {"ja": judge_backend("http://127.0.0.1:9")},
+                               route="ja")
+    env = {**os.environ, "QRQ_CONFIG": str(config_path)}
+    env.pop("QRQ_REDIS_URL", None)
+    out = subprocess.run([sys.executable, "-m", "qreward_queue.cli", "status"], env=env,
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    assert out.stdout.splitlines()[0].startswith("qrq: embedded mode")
+    assert "no shared state" in out.stdout
