@@ -134,7 +134,7 @@ class ChunkRunner:
     def _learn(self, status_code, headers, timed_out: bool, failed: bool) -> None:
         if self.limiter is not None:
             self.limiter.feedback(status_code, headers, timed_out=timed_out)
-        if self.breaker is not None and status_code != 429:
+        if self.breaker is not None:  # a 429 counts as alive: flow control handles it
             self.breaker.failure() if failed else self.breaker.success()
 
     def _error(self, error: ScoringError, attempts: int, latency_ms: float, detail) -> Outcome:

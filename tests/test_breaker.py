@@ -177,15 +177,6 @@ class ScriptedClient:
         return Call([answer], status_code=200, headers={}, details=["scripted"])
 
 
-@pytest.mark.xfail(
-    reason=(
-        "BUG: tasks.py ChunkRunner._learn skips the breaker on a 429, so a half-open probe "
-        "answered 429 keeps the probe key for probe_ttl_s (60 s): the caller's own retry is "
-        "refused ('circuit open') and the backend stays shut for everyone"
-    ),
-    strict=True,
-    raises=AssertionError,
-)
 def test_probe_answered_429_does_not_shut_the_backend(store, monkeypatch):
     # Given a tripped breaker whose cooldown is over, and a backend that answers the probe
     # with 429 and the next call with a score
