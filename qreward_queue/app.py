@@ -14,7 +14,9 @@ from functools import cached_property
 
 import redis
 from celery import Celery
-from celery.signals import worker_ready
+from celery.backends.cache import CacheBackend
+from celery.backends.redis import RedisBackend
+from celery.signals import task_received, worker_ready
 from kombu import Queue
 
 from . import tasks
@@ -80,8 +82,9 @@ class QrqCelery(Celery):
         """The circuit breaker of backend `name`, shared by every process through the store."""
         if name not in self._breakers:
             retry = self.backend_config(name).retry
-            self._breakers[name] = CircuitBreaker(self.store, name, retry.breaker_threshold,
-                                                  retry.breaker_cooldown_s)
+            self._breakers[name] = CircuitBreaker(
+                self.store, name, retry.breaker_threshold, retry.breaker_cooldown_s
+            )
         return self._breakers[name]
 
 
@@ -119,12 +122,11 @@ def celery_settings(config: Config) -> dict:
         "worker_soft_shutdown_timeout": 20.0,
         "worker_enable_soft_shutdown_on_idle": True,
         "task_default_queue": "qrq.default",
-        "task_track_started": True,
     }
     if config.embedded:
         settings.update(
             broker_url="memory://",
-            result_backend="cache+memory://",
+            result_backend="qreward_queue.app:QrqCacheBackend+memory://",
             broker_transport_options={"polling_interval": 0.001},
             worker_send_task_events=False,
             task_send_sent_event=False,
@@ -132,7 +134,7 @@ def celery_settings(config: Config) -> dict:
     else:
         settings.update(
             broker_url=config.redis_url,
-            result_backend=config.redis_url,
+            result_backend=f"qreward_queue.app:QrqRedisBackend+{config.redis_url}",
             broker_transport_options=transport,
             result_backend_transport_options={"global_keyprefix": "qrq:"},
             redis_backend_health_check_interval=30,
@@ -142,6 +144,36 @@ def celery_settings(config: Config) -> dict:
 
 HEARTBEAT_S = 5
 HEARTBEAT_TTL_S = 15
+HELD_TTL_S = 6 * 3600
+
+
+class _NoRetryState:
+    """Result stores that skip the RETRY state, which the client never reads.
+
+    Celery publishes a retry before it stores RETRY; a retry onto a sibling's queue can finish
+    in between, and its SUCCESS would then be overwritten by the late RETRY.
+    """
+
+    def mark_as_retry(self, *args, **kwargs) -> None:
+        return None
+
+
+class QrqRedisBackend(_NoRetryState, RedisBackend):
+    pass
+
+
+class QrqCacheBackend(_NoRetryState, CacheBackend):
+    pass
+
+
+@task_received.connect
+def _mark_holder(sender, request, **_) -> None:
+    """Record which worker holds each task (running, or waiting out a retry countdown), so a
+    client can resubmit the tasks of a worker whose heartbeat lapsed."""
+    app = sender.app
+    if isinstance(app, QrqCelery) and not app.qrq_config.embedded:
+        with contextlib.suppress(redis.RedisError):
+            app.store.set(f"qrq:held:{request.id}", sender.hostname, ex=HELD_TTL_S)
 
 
 @worker_ready.connect

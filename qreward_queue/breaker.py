@@ -46,6 +46,10 @@ class CircuitBreaker:
             return bool(self.store.set(self.probe, 1, nx=True, px=self.probe_ttl_ms))
         return True
 
+    def release_probe(self) -> None:
+        """Give the half-open probe back when the granted call did not happen."""
+        self.store.delete(self.probe)
+
     def success(self) -> None:
         self.store.delete(self.fails, self.tripped, self.probe)
 

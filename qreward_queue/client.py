@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import redis
 from celery import group
-from celery.states import READY_STATES, STARTED
+from celery.states import READY_STATES
 
 from .app import PRIORITIES, QrqCelery
 from .cache import ScoreCache, content_key, reward_identity
@@ -64,7 +64,7 @@ class RewardBatch:
         self._pending: dict[str, Chunk] = {}
         self._sentinel: str | None = None
         self._next_liveness_check = time.monotonic() + LIVENESS_CHECK_S
-        self._stateless: set[str] = set()
+        self._unheld: set[str] = set()
         self.resubmitted = 0
 
     def __len__(self) -> int:
@@ -171,30 +171,30 @@ class RewardBatch:
 
     def _lost_chunks(self, metas: dict[str, dict]) -> dict[str, Chunk]:
         """Tasks whose result will never come: all of them when Redis lost the batch's
-        sentinel; those started by a worker whose heartbeat lapsed; and those in no state at
-        all while every queue of the route is empty (a message lost between a worker's pop
-        and its bookkeeping), seen so at two checks in a row."""
+        sentinel; those held (running, or waiting out a retry) by a worker whose heartbeat
+        lapsed; and those nobody holds while every queue of the route is empty (a message
+        lost between a worker's pop and its bookkeeping), seen so at two checks in a row."""
         if self.app.qrq_config.embedded or time.monotonic() < self._next_liveness_check:
             return {}
         self._next_liveness_check = time.monotonic() + LIVENESS_CHECK_S
         store = self.app.store
         if self._sentinel and not store.exists(self._sentinel):
             return {i: c for i, c in self._pending.items() if i not in metas}
-        started = {
-            i: m["result"].get("hostname")
-            for i, m in metas.items()
-            if m["status"] == STARTED and isinstance(m.get("result"), dict)
-        }
-        hosts = sorted({h for h in started.values() if h})
-        alive = dict(zip(hosts, store.mget([f"qrq:alive:{h}" for h in hosts]), strict=True))
-        lost = {i: self._pending[i] for i, h in started.items() if h and not alive.get(h)}
-        stateless = {i for i in self._pending if i not in metas}
-        if stateless and not any(queue_depth(store, self.app.backend_config(b).queue)
-                                 for b in self.route.backends):
-            lost.update({i: self._pending[i] for i in stateless & self._stateless})
-            self._stateless = stateless
+        waiting = [i for i in self._pending if i not in metas]
+        holders = dict(zip(waiting, store.mget([f"qrq:held:{i}" for i in waiting]), strict=True))
+        hosts = sorted({h for h in holders.values() if h})
+        alive = dict(
+            zip(hosts, store.mget([f"qrq:alive:{h.decode()}" for h in hosts]), strict=True)
+        )
+        lost = {i: self._pending[i] for i, h in holders.items() if h and not alive[h]}
+        unheld = {i for i, h in holders.items() if not h}
+        if unheld and not any(
+            queue_depth(store, self.app.backend_config(b).queue) for b in self.route.backends
+        ):
+            lost.update({i: self._pending[i] for i in unheld & self._unheld})
+            self._unheld = unheld
         else:
-            self._stateless = set()
+            self._unheld = set()
         return lost
 
     def _settle(self, chunk: Chunk, meta: dict) -> None:

@@ -46,9 +46,15 @@ class ChunkRunner:
     """
 
     def __init__(
-        self, config: Backend, limiter: Limiter | None, breaker: CircuitBreaker | None, attempt: int
+        self,
+        config: Backend,
+        limiter: Limiter | None,
+        breaker: CircuitBreaker | None,
+        attempt: int,
+        may_refuse: bool = True,
     ):
         self.config, self.limiter, self.breaker, self.attempt = config, limiter, breaker, attempt
+        self.may_refuse = may_refuse  # an open circuit refuses calls only while siblings remain
         self.client = _client(config)
         self.busy_s: float | None = None
         self.outcomes: list[Outcome | None] = []
@@ -106,7 +112,7 @@ class ChunkRunner:
             )
 
     def _guarded_call(self, batch: list[dict]) -> Call:
-        if self.breaker is not None and not self.breaker.allow():
+        if self.breaker is not None and not self.breaker.allow() and self.may_refuse:
             raise TransientError(f"circuit open: backend {self.config.name!r} is cooling down")
         guard = (
             self.limiter.acquire(
@@ -115,21 +121,26 @@ class ChunkRunner:
             if self.limiter
             else nullcontext()
         )
-        with guard as grant:
-            try:
-                call = self.client.call(batch)
-            except ScoringError as exc:
-                self._learn(
-                    exc.status_code,
-                    exc.headers,
-                    exc.timed_out,
-                    failed=isinstance(exc, TransientError),
-                )
-                raise
-            self._learn(call.status_code, call.headers, False, failed=False)
-            if grant is not None and call.tokens is not None:
-                grant.settle(actual_tokens=call.tokens)
-            return call
+        try:
+            with guard as grant:
+                return self._call(batch, grant)
+        except LimiterBusy:  # the call never happened: a half-open probe goes to someone else
+            if self.breaker is not None:
+                self.breaker.release_probe()
+            raise
+
+    def _call(self, batch: list[dict], grant) -> Call:
+        try:
+            call = self.client.call(batch)
+        except ScoringError as exc:
+            self._learn(
+                exc.status_code, exc.headers, exc.timed_out, failed=isinstance(exc, TransientError)
+            )
+            raise
+        self._learn(call.status_code, call.headers, False, failed=False)
+        if grant is not None and call.tokens is not None:
+            grant.settle(actual_tokens=call.tokens)
+        return call
 
     def _learn(self, status_code, headers, timed_out: bool, failed: bool) -> None:
         if self.limiter is not None:
@@ -164,8 +175,8 @@ def score_chunk(
     done = list(done) if done else [None] * len(samples)
     todo = [i for i, o in enumerate(done) if o is None]
     siblings = [b for b in (route or []) if b != backend and b not in (tried or [])]
-    breaker = app.breaker(backend) if siblings else None
-    runner = ChunkRunner(config, app.limiter(backend), breaker, attempt)
+    breaker = app.breaker(backend) if len(route or ()) > 1 else None
+    runner = ChunkRunner(config, app.limiter(backend), breaker, attempt, bool(siblings))
     runner.run([samples[i] for i in todo])
     retry_later = set()
     for k, (pos, outcome) in enumerate(zip(todo, runner.outcomes, strict=True)):
@@ -179,7 +190,7 @@ def score_chunk(
     time_left = deadline is None or time.time() < deadline
     if runner.busy_s is not None and time_left:  # a long limiter wait: free the slot meanwhile
         raise self.retry(kwargs=kwargs, countdown=runner.busy_s)
-    circuit_open = breaker is not None and breaker.is_open()
+    circuit_open = bool(siblings) and breaker is not None and breaker.is_open()
     if attempt < policy.attempts and time_left and not circuit_open:
         raise self.retry(
             kwargs=dict(kwargs, attempt=attempt + 1), countdown=backoff_s(policy, attempt)
@@ -192,7 +203,8 @@ def score_chunk(
             queue=app.backend_config(target).queue,
             countdown=0,
         )
-    note = f" (gave up after {attempt} attempt(s) on {backend!r}; no sibling backend left)"
+    why = "the batch deadline passed" if not time_left else "no sibling backend left"
+    note = f" (gave up after {attempt} attempt(s) on {backend!r}; {why})"
     for k, pos in enumerate(todo):
         if pos in retry_later:
             outcome = runner.outcomes[k] or Outcome(
@@ -215,5 +227,6 @@ def register(app) -> None:
     # score_chunk bounds its own retries (attempts, siblings, deadline); max_retries only stops
     # a poison sample that kills its pool child every time. Such a task comes back after 2 s
     # (task_retry_on_worker_lost), not after Celery's default 180 s.
-    app.task(bind=True, name=TASK_NAME, max_retries=MAX_TASK_RETRIES,
-             default_retry_delay=2)(score_chunk)
+    app.task(bind=True, name=TASK_NAME, max_retries=MAX_TASK_RETRIES, default_retry_delay=2)(
+        score_chunk
+    )

@@ -288,12 +288,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_workers(config: Path, specs: list[tuple[str, str | None]]) -> list[Worker]:
-    """Start one Worker per (backend, name) at the same time (each takes ~3 s to be ready)."""
+def start_workers(config: Path, specs: list[tuple]) -> list[Worker]:
+    """Start one Worker per (backend, name[, extra_env]) at the same time (each takes ~3 s)."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(len(specs)) as pool:
-        futures = [pool.submit(Worker, config, backend, name) for backend, name in specs]
+        futures = [
+            pool.submit(Worker, config, spec[0], spec[1], extra_env=(spec[2:] or [None])[0])
+            for spec in specs
+        ]
     workers, errors = [], []
     for future in futures:
         try:

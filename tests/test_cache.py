@@ -166,15 +166,13 @@ def test_duplicates_are_scored_once_and_keep_their_own_ids(tmp_path, redis_url, 
     # one more differs from sample 0 only in `extra`: a different sample, not a duplicate
     distinct.append({**distinct[0], "id": "dup-extra", "extra": {"variant": 2}})
     samples = list(distinct)
-    copies_of = {}
+    original_of = {}  # copy id -> original id
     for k in range(10):
         original = distinct[k * 7]
-        position = 5 + k * 9
-        samples.insert(position, {**original, "id": f"copy-{k}"})
-    for i, s in enumerate(samples):
-        if s["id"].startswith("copy-"):
-            copies_of[i] = next(j for j, t in enumerate(samples)
-                                if t["id"] == "dup-" + str(int(s["id"][5:]) * 7))
+        samples.insert(5 + k * 9, {**original, "id": f"copy-{k}"})
+        original_of[f"copy-{k}"] = original["id"]
+    position = {s["id"]: i for i, s in enumerate(samples)}
+    copies_of = {position[c]: position[o] for c, o in original_of.items()}
     assert len(samples) == 100 and len(copies_of) == 10
     # When it is scored
     outcomes = qreward_queue.submit_batch(

@@ -160,16 +160,6 @@ def test_vanished_worker_work_is_resubmitted_long_before_visibility_timeout(
     assert survivor.proc.poll() is None
 
 
-@pytest.mark.xfail(
-    reason=(
-        "BUG: client.py RewardBatch._lost_chunks only checks tasks in state STARTED; a task "
-        "waiting out a retry countdown (state RETRY, its ETA message reserved by a worker) "
-        "that the worker dies with is never resubmitted and comes back as `timeout` at the "
-        "deadline (kombu restores it only after visibility_timeout)"
-    ),
-    strict=True,
-    raises=AssertionError,
-)
 def test_vanished_worker_holding_retries_is_resubmitted(tmp_path, redis_url, stack):
     # Given a judge that is down for now (its port reserved), a fixed 6 s retry backoff, and
     # one worker that takes every task and every retry message (ETA) of a batch

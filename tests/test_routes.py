@@ -7,6 +7,7 @@ recomputed from the mock judge's rule (`verdict` of the rendered prompt).
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import time
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 from support import (
+    free_port,
     judge_backend,
     start_workers,
     tasks_received,
@@ -70,10 +72,14 @@ def assert_all_ok(app, samples, outcomes) -> None:
 
 
 def fast_retry(backend: dict, attempts=3, threshold=5, cooldown_s=30.0) -> dict:
+    """Short, fixed backoffs (0.2 s, then 0.4 s). Not jittered down to ~0 s: a retried run
+    finishing before the previous run stored its RETRY state loses its result (see
+    test_failover_result_survives_a_late_retry_state)."""
     backend["retry"].update(
         attempts=attempts,
-        backoff_base_s=0.05,
-        backoff_cap_s=0.2,
+        backoff_base_s=0.2,
+        backoff_cap_s=0.4,
+        jitter=False,
         breaker_threshold=threshold,
         breaker_cooldown_s=cooldown_s,
     )
@@ -156,9 +162,11 @@ def test_queued_backlog_steers_new_work_to_the_idle_backend(tmp_path, redis_url,
 
 
 def test_dead_backend_fails_over_and_its_circuit_opens(tmp_path, redis_url, stack):
-    # Given a route over two judges, each with a live worker, and judge a dead (crashed)
+    # Given a route over two judges, each with a live worker, and judge a dead (crashed).
+    # (b answers in ~300 ms: a failed-over run finishing within the few ms before a's worker
+    # stores the RETRY state would lose its result, a separate bug tested below)
     judge_a, judge_b = judges(
-        stack, MockJudgeSettings(latency_ms=20, seed=1), MockJudgeSettings(latency_ms=20, seed=2)
+        stack, MockJudgeSettings(latency_ms=20, seed=1), MockJudgeSettings(latency_ms=300, seed=2)
     )
     backends = {
         "a": fast_retry(judge_backend(judge_a.url), attempts=2, threshold=3, cooldown_s=120),
@@ -198,6 +206,58 @@ def test_dead_backend_fails_over_and_its_circuit_opens(tmp_path, redis_url, stac
     assert judge_b.stats()["accepted"] == 100
 
 
+SLOW_RETRY_STATE_HOOK = """
+import os, time
+DELAY = float(os.environ.get("QRQ_TEST_RETRY_STATE_DELAY_S", "0"))
+if DELAY:
+    from celery.backends.redis import RedisBackend
+    _set_with_state = RedisBackend._set_with_state
+
+    def _slow_set_with_state(self, key, value, state):
+        if state == "RETRY":  # between Celery's "is it SUCCESS yet?" read and this write
+            time.sleep(DELAY)
+        return _set_with_state(self, key, value, state)
+
+    RedisBackend._set_with_state = _slow_set_with_state
+"""
+
+
+def test_failover_result_survives_a_late_retry_state(tmp_path, redis_url, stack):
+    # Given a route over a dead backend a (failing over at its first failure) and a fast b,
+    # and a's worker slow to store the RETRY state (0.5 s, as a busy process may be)
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SLOW_RETRY_STATE_HOOK)
+    slow_env = {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])),
+        "QRQ_TEST_RETRY_STATE_DELAY_S": "0.5",
+    }
+    (judge_b,) = judges(stack, MockJudgeSettings(latency_ms=20))
+    backends = {
+        "a": fast_retry(judge_backend(f"http://127.0.0.1:{free_port()}"), attempts=1,
+                        threshold=1000),
+        "b": fast_retry(judge_backend(judge_b.url)),
+    }
+    config_path = write_config(
+        tmp_path, backends, redis_url=redis_url, routes={"r": ["a", "b"]},
+        fallback_score=FALLBACK,
+    )
+    app = make_app(config_path)
+    worker_a, _ = workers(stack, config_path, ("a", None, slow_env), ("b", None))
+    # When a batch is submitted on the route (about half of it planned on a), and collected
+    # 2 s later (a trainer does other work meanwhile)
+    samples = samples_for(10, "late-retry")
+    batch = qreward_queue.submit_batch(samples, route="r", app=app, deadline_s=8)
+    time.sleep(2)
+    outcomes = batch.outcomes()
+    if tasks_received(worker_a) == 0:
+        raise RuntimeError("nothing was planned on a: the scenario did not happen")
+    # Then every sample failed over to b and came back scored, long before the deadline
+    assert [o.status for o in outcomes] == ["ok"] * 10, [o.error for o in outcomes]
+    assert_all_ok(app, samples, outcomes)
+    assert judge_b.stats()["accepted"] == 10
+
+
 # --------------------------------------------------------------------------------------------
 # Retries and permanent errors
 
@@ -228,7 +288,7 @@ def test_transient_errors_are_retried_until_ok(tmp_path, redis_url, stack):
     n = 20
     seed, _ = quiet_seed(0.2, n, max_errors=4)
     (judge,) = judges(
-        stack, MockJudgeSettings(latency_ms=20, latency_cv=0, error_rate=0.2, seed=seed)
+        stack, MockJudgeSettings(latency_ms=100, latency_cv=0, error_rate=0.2, seed=seed)
     )
     config_path = write_config(
         tmp_path, {"j": fast_retry(judge_backend(judge.url), attempts=5)},
