@@ -112,7 +112,7 @@ class ChunkRunner:
             )
 
     def _guarded_call(self, batch: list[dict]) -> Call:
-        if self.breaker is not None and not self.breaker.allow() and self.may_refuse:
+        if self.may_refuse and self.breaker is not None and not self.breaker.allow():
             raise TransientError(f"circuit open: backend {self.config.name!r} is cooling down")
         guard = (
             self.limiter.acquire(
