@@ -374,3 +374,20 @@ def test_deadline_gives_timeout_with_the_fallback_and_returns_on_time(setup, jud
     assert [o.score for o in ok] == expected(config, "a", good)
     assert {o.status for o in ok} == {"ok"}
     assert batch.done() and batch.completed == 6
+
+
+def test_embedded_mode_runs_the_same_lua_limiter_on_fakeredis(setup, make_judge):
+    # Given a judge that answers 429 above 600 rpm (10/s, a bucket of 10) and 4 concurrent
+    judge = make_judge(rpm=600, max_concurrent=4, latency_ms=20)
+    config = judge_setup(setup, judge, concurrency=16, rpm=600, max_concurrent=4)
+    # When 40 samples are scored in embedded mode
+    app = qreward_queue.get_app()
+    outcomes = qreward_queue.submit_batch(samples_(40), route="grade").outcomes()
+    # Then the limiter's Lua ran in-process on fakeredis and held the judge's limits
+    assert type(app.store).__module__.startswith("fakeredis")
+    assert app.store.exists("qrq:{a}:bucket") and app.store.exists("qrq:{a}:aimd")
+    stats = judge.stats()
+    # (at exactly the limit, arrival jitter may cost one 429, which is retried, not scored)
+    assert stats["rate_limited"] <= 1 and stats["peak_in_flight"] <= 4
+    assert [o.status for o in outcomes] == ["ok"] * 40
+    assert [o.score for o in outcomes] == expected(config, "a", samples_(40))
