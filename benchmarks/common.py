@@ -232,3 +232,69 @@ def print_table(title: str, runs: list[Run], notes: list[str]) -> None:
               f"{_fmt(r.worker_cpu_ms_per_request, '.2f'):>11}")
     for note in notes:
         print(f"  note: {note}")
+
+
+# --- Added for benchmarks/routes.py (several backends, a private Redis) ------------------------
+
+
+def start_qrq_workers(config: Path, specs: list[tuple[str, str]], app,
+                      timeout_s: float = 60.0) -> list[QrqWorker]:
+    """One `QrqWorker(config, backend, name, app)` per (backend, name), started at the same time
+    (each takes a few seconds to answer a ping); if one fails, the others are stopped."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max(1, len(specs))) as pool:
+        futures = [pool.submit(QrqWorker, config, backend, name, app, timeout_s)
+                   for backend, name in specs]
+    workers, errors = [], []
+    for future in futures:
+        try:
+            workers.append(future.result())
+        except Exception as exc:  # stop the ones that did start before raising
+            errors.append(exc)
+    if errors:
+        for w in workers:
+            w.stop()
+        raise errors[0]
+    return workers
+
+
+class PrivateRedis:
+    """`redis-server` on its own free port without RDB or AOF, so a restart loses every key: for
+    the Redis-restart scenario (the shared Redis at 6379 is never touched)."""
+
+    def __init__(self, directory: Path, port: int | None = None):
+        from support import free_port
+
+        self.directory, self.port = directory, port or free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 10.0) -> PrivateRedis:
+        with (self.directory / f"redis-{self.port}.log").open("a") as log_fh:
+            self.proc = subprocess.Popen(
+                ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+                 "--save", "", "--appendonly", "no", "--dir", str(self.directory)],
+                stdout=log_fh, stderr=subprocess.STDOUT)
+        client = redis.Redis.from_url(self.url, socket_connect_timeout=0.5)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"redis-server on port {self.port} exited")
+                try:
+                    if client.ping():
+                        return self
+                except redis.ConnectionError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server on port {self.port} did not answer")
+                time.sleep(0.05)
+        finally:
+            client.close()
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would (there is nothing to save to)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)

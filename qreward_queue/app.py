@@ -117,7 +117,6 @@ def celery_settings(config: Config) -> dict:
         "result_expires": config.result_expires_s,
         "result_extended": False,
         "worker_send_task_events": True,
-        "task_send_sent_event": True,
         "worker_hijack_root_logger": False,
         "worker_soft_shutdown_timeout": 20.0,
         "worker_enable_soft_shutdown_on_idle": True,
@@ -129,7 +128,6 @@ def celery_settings(config: Config) -> dict:
             result_backend="qreward_queue.app:QrqCacheBackend+memory://",
             broker_transport_options={"polling_interval": 0.001},
             worker_send_task_events=False,
-            task_send_sent_event=False,
         )
     else:
         settings.update(
@@ -159,7 +157,10 @@ class _NoRetryState:
 
 
 class QrqRedisBackend(_NoRetryState, RedisBackend):
-    pass
+    """RewardBatch polls results with MGET, so no pub/sub subscription per published task."""
+
+    def on_task_call(self, producer, task_id) -> None:
+        return None
 
 
 class QrqCacheBackend(_NoRetryState, CacheBackend):

@@ -85,13 +85,24 @@ def backend_rate(app, name: str) -> float:
     return 60.0 * (backend.limits.max_concurrent or backend.pool.concurrency)
 
 
-def route_shares(app, route: Route, n: int) -> list[float]:
-    """How many of `n` new samples each backend of `route` should get (weight x free capacity)."""
+def queued_samples(app, name: str) -> float:
+    """Samples waiting in the backend's queue (tasks x chunk size)."""
     from .status import queue_depth
 
+    backend = app.backend_config(name)
+    return queue_depth(app.store, backend.queue) * backend.chunk_size
+
+
+def route_shares(app, route: Route, n: int) -> list[float]:
+    """How many of `n` new samples each backend of `route` should get (weight x free capacity)."""
     if len(route.backends) == 1:
         return [1.0]
     rates = [w * backend_rate(app, b) for w, b in zip(route.weights, route.backends, strict=True)]
-    queued = [queue_depth(app.store, app.backend_config(b).queue) *
-              app.backend_config(b).chunk_size for b in route.backends]
-    return water_fill(n, rates, queued)
+    return water_fill(n, rates, [queued_samples(app, b) for b in route.backends])
+
+
+def failover_target(app, candidates: list[str], n: int) -> str:
+    """The sibling that would finish `n` more samples soonest (open circuits last)."""
+    rates = [backend_rate(app, b) for b in candidates]
+    shares = water_fill(n, rates, [queued_samples(app, b) for b in candidates])
+    return candidates[max(range(len(candidates)), key=shares.__getitem__)]

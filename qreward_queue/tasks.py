@@ -19,6 +19,7 @@ from .breaker import CircuitBreaker
 from .config import Backend, Retry
 from .errors import PermanentError, RateLimited, RetryableError, ScoringError, TransientError
 from .limiter import Limiter, LimiterBusy
+from .routing import failover_target
 from .samples import Outcome
 
 TASK_NAME = "qrq.score_chunk"
@@ -195,9 +196,8 @@ def score_chunk(
         raise self.retry(
             kwargs=dict(kwargs, attempt=attempt + 1), countdown=backoff_s(policy, attempt)
         )
-    healthy = [b for b in siblings if not app.breaker(b).is_open()] or siblings
-    if healthy and time_left:
-        target = healthy[0]
+    if siblings and time_left:
+        target = failover_target(app, siblings, len(retry_later))
         raise self.retry(
             kwargs=dict(kwargs, backend=target, attempt=1, tried=[*(tried or []), backend]),
             queue=app.backend_config(target).queue,
