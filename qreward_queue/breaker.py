@@ -31,6 +31,7 @@ class CircuitBreaker:
         tag = f"qrq:{{{backend}}}"
         self.fails, self.open_key = f"{tag}:fails", f"{tag}:open"
         self.tripped, self.probe = f"{tag}:tripped", f"{tag}:probe"
+        self._dirty = True  # until allow() has looked, assume there may be state to clear
 
     def is_open(self) -> bool:
         """True while the backend should get no new work (cooling down)."""
@@ -38,8 +39,8 @@ class CircuitBreaker:
 
     def allow(self) -> bool:
         """May this caller use the backend now? In half-open state only the one prober may."""
-        with self.store.pipeline(transaction=False) as pipe:
-            is_open, tripped = pipe.exists(self.open_key).exists(self.tripped).execute()
+        is_open, tripped, fails = self.store.mget(self.open_key, self.tripped, self.fails)
+        self._dirty = self._dirty or bool(tripped or fails)
         if is_open:
             return False
         if tripped:
@@ -51,9 +52,13 @@ class CircuitBreaker:
         self.store.delete(self.probe)
 
     def success(self) -> None:
-        self.store.delete(self.fails, self.tripped, self.probe)
+        """Reset the failure count; skipped (no round trip) while nothing was seen to reset."""
+        if self._dirty:
+            self._dirty = False
+            self.store.delete(self.fails, self.tripped, self.probe)
 
     def failure(self) -> None:
+        self._dirty = True
         with self.store.pipeline() as pipe:
             pipe.incr(self.fails).expire(self.fails, 60).exists(self.tripped)
             count, _, tripped = pipe.execute()
