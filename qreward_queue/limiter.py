@@ -276,24 +276,3 @@ def _parse_status(backend: str, max_concurrent: int, result: Sequence[Any]) -> d
         "recent_429s": int(recent_429s),
         "paused_for_s": float(paused_ms) / 1000,
     }
-
-
-def backend_status(redis_client: redis.Redis, names: Sequence[str]) -> list[dict[str, Any]]:
-    """`Limiter.status` for each backend, with the limits its workers last booked (`qrq status`).
-
-    A backend idle long enough for its buckets to be full again shows no limits. Does not wait
-    out a Redis outage: a status view should fail fast.
-    """
-    scripts = _load_scripts(redis_client)
-    out = []
-    for name in names:
-        keys = _keys(name)
-        stored = redis_client.hmget(keys[0], "rpm:cap", "rpm:rate", "tpm:cap", "tpm:rate")
-        limits = [
-            (limit, float(stored[2 * i]), float(stored[2 * i + 1]))
-            for i, limit in enumerate(("rpm", "tpm"))
-            if stored[2 * i] is not None and stored[2 * i + 1] is not None
-        ]
-        result = scripts["status"](keys=list(keys), args=_limit_args(limits, {}))
-        out.append(_parse_status(name, 0, result))
-    return out

@@ -402,7 +402,7 @@ def function_config(path: str, **overrides: Any) -> Backend:
 
 def test_function_scores_every_sample(rewards_module):
     backend = make_backend(function_config(f"{rewards_module}:length"))
-    assert isinstance(backend, FunctionBackend) and not backend.uses_limiter
+    assert isinstance(backend, FunctionBackend)
     samples = [sample(1, "a"), sample(2, "abc")]
     assert backend.call(samples).scores == [1.0, 3.0]
     nested = make_backend(function_config(f"{rewards_module}:Holder.nested"))

@@ -12,7 +12,7 @@ import fakeredis
 import pytest
 import redis
 
-from qreward_queue.limiter import Limiter, LimiterBusy, backend_status, estimate_tokens
+from qreward_queue.limiter import Limiter, LimiterBusy, estimate_tokens
 from qreward_queue.ratelimit_headers import RateLimitHeaders, parse_duration, parse_retry_after
 
 
@@ -359,10 +359,3 @@ def test_raises_after_outage_wait() -> None:
         limiter.status()
     assert 0.3 <= time.monotonic() - started < 1.0
 
-
-def test_backend_status_reads_the_stored_limits(fake: fakeredis.FakeRedis) -> None:
-    Limiter(fake, "a", rpm=600, tpm=60_000, burst_s=2).pause(1)
-    (a, unknown) = backend_status(fake, ["a", "never-used"])
-    assert a["limits"]["rpm"]["capacity"] == 20 and a["limits"]["tpm"]["per_minute"] == 60_000
-    assert a["paused_for_s"] == pytest.approx(1, abs=0.05)
-    assert unknown["limits"] == {} and unknown["leases_in_use"] == 0

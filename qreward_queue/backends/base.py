@@ -28,8 +28,6 @@ class Call:
 class BackendClient(ABC):
     """Turns samples into backend calls. Subclasses set how many samples one call takes."""
 
-    uses_limiter = True
-
     def __init__(self, config: Backend):
         self.config = config
 

@@ -32,8 +32,6 @@ def load_function(path: str) -> Callable[[dict], float]:
 class FunctionBackend(BackendClient):
     """Scores a whole chunk in one call: the queue overhead is paid per chunk, not per sample."""
 
-    uses_limiter = False
-
     @property
     def batch(self) -> int:
         return max(1, self.config.chunk_size)
