@@ -48,10 +48,15 @@ config_option = click.option(
 def demo(config_path: str | None, route: str | None) -> None:
     """Start mock judges and score a 1,024-sample GRPO batch: qrq vs a naive client."""
     from .demo import run_demo
+    from .runtime import shutdown
 
     config = load_config(config_path)
     click.echo(describe_mode(config))
-    if not run_demo(config, click.echo, route):
+    try:
+        ok = run_demo(config, click.echo, route)
+    finally:
+        shutdown()
+    if not ok:
         sys.exit(1)
 
 
@@ -75,19 +80,22 @@ def score(input_file, output, route, priority, deadline_s, config_path) -> None:
     from tqdm import tqdm
 
     from .client import submit_batch
-    from .runtime import configure
+    from .runtime import configure, shutdown
 
     config = load_config(config_path)
     click.echo(describe_mode(config), err=True)
     app = configure(config)
     samples, lines, unreadable = read_jsonl(input_file)
-    batch = submit_batch(samples, route, priority, deadline_s, on_invalid="outcome", app=app)
-    with tqdm(total=len(batch), unit="sample", file=sys.stderr, disable=None) as bar:
-        while not batch.done() and time.time() < batch.deadline:
-            bar.update(batch.completed - bar.n)
-            time.sleep(0.2)
-        outcomes = batch.outcomes()
-        bar.update(len(batch) - bar.n)
+    try:
+        batch = submit_batch(samples, route, priority, deadline_s, on_invalid="outcome", app=app)
+        with tqdm(total=len(batch), unit="sample", file=sys.stderr, disable=None) as bar:
+            while not batch.done() and time.time() < batch.deadline:
+                bar.update(batch.completed - bar.n)
+                time.sleep(0.2)
+            outcomes = batch.outcomes()
+            bar.update(len(batch) - bar.n)
+    finally:
+        shutdown()
     counts: dict[str, int] = {}
     for index, outcome in enumerate(outcomes):
         if index in unreadable:

@@ -24,15 +24,22 @@ def configure(config: Config | str | os.PathLike[str] | None = None) -> QrqCeler
     global _app, _worker
     if not isinstance(config, Config):
         config = load_config(Path(config) if config else None)
+    shutdown()
     with _lock:
-        if _worker is not None:
-            _worker.stop()
-            _worker = None
         _app = QrqCelery(config)
         if config.embedded and config.backends:
             threads = sum(b.pool.concurrency for b in config.backends.values())
             _worker = EmbeddedWorker(_app, min(threads, MAX_EMBEDDED_THREADS))
         return _app
+
+
+def shutdown() -> None:
+    """Stop the embedded worker threads, if any run (the app stays usable for status)."""
+    global _worker
+    with _lock:
+        if _worker is not None:
+            _worker.stop()
+            _worker = None
 
 
 def get_app() -> QrqCelery:

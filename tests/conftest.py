@@ -12,6 +12,15 @@ REDIS_PORT = int(os.environ.get("QRQ_TEST_REDIS_PORT", "6379"))
 REDIS_DB = int(os.environ.get("QRQ_TEST_REDIS_DB", "15"))
 
 
+@pytest.fixture(autouse=True)
+def no_embedded_workers_left():
+    """Whatever a test configured, its in-process worker threads stop with it."""
+    yield
+    from qreward_queue.runtime import shutdown
+
+    shutdown()
+
+
 @pytest.fixture
 def redis_url() -> str:
     """URL of a real Redis database that is empty when the test starts."""

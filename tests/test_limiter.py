@@ -6,12 +6,15 @@ so the booked schedule can be checked exactly and fast. Real timing is in test_l
 
 from __future__ import annotations
 
+import itertools
 import time
+from types import SimpleNamespace
 
 import fakeredis
 import pytest
 import redis
 
+import qreward_queue.limiter as limiter_module
 from qreward_queue.limiter import Limiter, LimiterBusy, estimate_tokens
 from qreward_queue.ratelimit_headers import RateLimitHeaders, parse_duration, parse_retry_after
 
@@ -24,7 +27,10 @@ def fake() -> fakeredis.FakeRedis:
 @pytest.fixture
 def sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     slept: list[float] = []
-    monkeypatch.setattr(time, "sleep", slept.append)
+    # only the limiter's sleeps: other threads of this process (a worker another test left)
+    # would spin if time.sleep itself were replaced
+    fake_time = SimpleNamespace(sleep=slept.append, monotonic=time.monotonic, time=time.time)
+    monkeypatch.setattr(limiter_module, "time", fake_time)
     return slept
 
 
@@ -96,10 +102,18 @@ def test_keys_share_one_hash_tag(fake: fakeredis.FakeRedis) -> None:
 def test_burst_then_steady_rate(fake: fakeredis.FakeRedis, sleeps: list[float]) -> None:
     # Given rpm 600 (0.01/ms) with 1 s of burst: a full bucket holds 10 requests
     limiter = Limiter(fake, "b", rpm=600)
-    waits = [book(limiter) for _ in range(13)]
+    waits, starts = [], []
+    for _ in range(13):
+        now = time.time()  # fakeredis's TIME is this clock
+        waits.append(book(limiter))
+        starts.append(now + waits[-1])
     # Then 10 start at once and each later one is booked 100 ms after the previous
+    # (start times, not waits: real time passing between the bookings shortens the waits)
     assert waits[:10] == [0.0] * 10
-    assert waits[10:] == pytest.approx([0.1, 0.2, 0.3], abs=0.02)
+    assert all(w > 0 for w in waits[10:])
+    gaps = [later - earlier for earlier, later in itertools.pairwise(starts[10:])]
+    assert gaps == pytest.approx([0.1, 0.1], abs=0.005)
+    assert starts[10] - starts[9] == pytest.approx(0.1, abs=0.02)
 
 
 def test_refused_request_takes_nothing(fake: fakeredis.FakeRedis, sleeps: list[float]) -> None:
@@ -219,7 +233,8 @@ def test_429_pauses_new_and_booked_requests(
 
     for _ in range(10):
         book(limiter)
-    monkeypatch.setattr(time, "sleep", sleep)
+    fake_time = SimpleNamespace(sleep=sleep, monotonic=time.monotonic, time=time.time)
+    monkeypatch.setattr(limiter_module, "time", fake_time)
     # Given a request booked 100 ms ahead, when the 429 comes during its wait,
     # then it sleeps its wait and then the pause on top of it
     assert book(limiter) == pytest.approx(0.1, abs=0.02)
