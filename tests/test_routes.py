@@ -115,18 +115,15 @@ def test_route_spreads_load_in_proportion_to_rpm(tmp_path, redis_url, stack):
     workers(stack, config_path, *[(n, None) for n in rpms])
     samples = samples_for(300, "spread")
     # When 300 samples are submitted on the route
-    started = time.monotonic()
     batch = qreward_queue.submit_batch(samples, route="r", app=app, deadline_s=120)
     outcomes = batch.outcomes(timeout=60)
-    elapsed = time.monotonic() - started
     # Then every score is right, and each backend served about its share of 1:2:3
     assert_all_ok(app, samples, outcomes)
     used = {n: sum(o.backend == n for o in outcomes) for n in rpms}
     for name, want in zip(rpms, (50, 100, 150), strict=True):
         assert abs(used[name] - want) <= 0.1 * want, used
         assert mocks[name].stats()["accepted"] == used[name]
-    # and they ran at once: ~5 s at 3600/min, while the fastest alone needs 10 s
-    assert elapsed < 9, elapsed
+    # (how fast the route runs against its summed limit is measured by benchmarks/routes.py S4)
 
 
 def test_queued_backlog_steers_new_work_to_the_idle_backend(tmp_path, redis_url, stack):
