@@ -136,6 +136,9 @@ def celery_settings(config: Config) -> dict:
             broker_transport_options=transport,
             result_backend_transport_options={"global_keyprefix": "qrq:"},
             redis_backend_health_check_interval=30,
+            redis_socket_timeout=10,  # a result read never hangs on a dead connection
+            redis_socket_connect_timeout=5,
+            redis_retry_on_timeout=True,
         )
     return settings
 
