@@ -22,7 +22,7 @@ from qreward_queue.config import Backend, Config, Limits, Pool, Retry, Route
 from qreward_queue.errors import RateLimited
 from qreward_queue.routing import Chunk, plan, route_shares, spread, water_fill
 
-COOLDOWN_S = 0.15
+COOLDOWN_S = 0.5  # long enough that a loaded machine does not see it lapse mid-check
 
 
 @pytest.fixture

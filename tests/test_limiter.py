@@ -320,11 +320,11 @@ def test_limit_header_lowers_the_rate_until_it_rises(fake: fakeredis.FakeRedis) 
 
 
 def test_aimd_halves_once_per_cooldown_and_recovers(fake: fakeredis.FakeRedis) -> None:
-    limiter = Limiter(fake, "b", max_concurrent=16, aimd_cooldown_s=0.2)
+    limiter = Limiter(fake, "b", max_concurrent=16, aimd_cooldown_s=1.0)
     for _ in range(5):  # one burst of 429s halves once
         limiter.feedback(429, {"retry-after": "0"})
     assert limiter.status()["adaptive_limit"] == 8
-    time.sleep(0.25)
+    time.sleep(1.05)
     limiter.feedback(None, None, timed_out=True)
     assert limiter.status()["adaptive_limit"] == 4
     for expected in (5, 6):

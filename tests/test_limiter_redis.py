@@ -237,11 +237,11 @@ def test_lease_of_a_killed_process_lapses_after_its_ttl(redis_url: str) -> None:
 
 def test_aimd_shared_by_limiters(redis_url: str) -> None:
     a, b = (Limiter(redis.Redis.from_url(redis_url), "aimd", max_concurrent=16,
-                    aimd_cooldown_s=0.3) for _ in range(2))
+                    aimd_cooldown_s=1.0) for _ in range(2))
     for limiter in (a, b, a, b):  # a burst of 429s from two workers: one decrease
         limiter.feedback(429, {"retry-after": "0"})
     assert b.status()["adaptive_limit"] == 8
-    time.sleep(0.35)
+    time.sleep(1.05)
     a.feedback(None, None, timed_out=True)
     assert b.status()["adaptive_limit"] == 4
     # the lowered limit caps the leases of every limiter
