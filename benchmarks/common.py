@@ -298,3 +298,32 @@ class PrivateRedis:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+
+def run_scenarios(scenarios: dict, args, targets, before_table=None, after_table=None) -> None:
+    """Run the chosen scenarios, print each table (and JSON lines with --json), then one
+    PASS/FAIL line per target and the total wall time. A scenario that fails to run is
+    reported and the others still run."""
+    started = time.perf_counter()
+    all_runs: list[Run] = []
+    for name in scenarios if args.scenario == "all" else [args.scenario]:
+        title, fn = scenarios[name]
+        try:
+            runs, notes = fn(args)
+        except Exception as exc:  # report it and go on with the other scenarios
+            print(f"\n== {title}\n  {name} FAILED TO RUN: {type(exc).__name__}: {exc}")
+            continue
+        if before_table:
+            before_table(name, runs)
+        print_table(title, runs, notes)
+        if after_table:
+            after_table(name, runs)
+        if args.json:
+            for r in runs:
+                print(r.to_json())
+        sys.stdout.flush()
+        all_runs += runs
+    print("\n== targets")
+    for what, ok, figure in targets(all_runs):
+        print(f"{'PASS' if ok else 'FAIL'}  {what}: {figure}")
+    print(f"total benchmark wall time: {time.perf_counter() - started:.0f} s")

@@ -47,7 +47,7 @@ from common import (
     flush_redis,
     judge_config,
     percentile,
-    print_table,
+    run_scenarios,
     score_results,
     write_config,
 )
@@ -487,28 +487,11 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"comma-separated subset of {','.join(CLIENTS)}")
     args = parser.parse_args(argv)
     args.clients = set(args.clients.split(","))
-    started = time.perf_counter()
     print(f"qrq flow-control benchmark: distributed mode (Redis at {REDIS_URL}, flushed per "
           f"scenario), mock judge and qrq workers as subprocesses")
     print(LEGEND)
-    all_runs: list[Run] = []
-    for name in SCENARIOS if args.scenario == "all" else [args.scenario]:
-        title, fn = SCENARIOS[name]
-        runs, notes = fn(args)
-        add_ratios(runs)
-        print_table(title, runs, notes)
-        if name == "S3":
-            print_split(runs)
-        if args.json:
-            for r in runs:
-                print(r.to_json())
-        sys.stdout.flush()
-        all_runs += runs
-    print("\n== targets")
-    for what, ok, figure in targets(all_runs):
-        print(f"{'PASS' if ok else 'FAIL'}  {what}: {figure}")
-    print(f"total benchmark wall time: {time.perf_counter() - started:.0f} s")
-
+    run_scenarios(SCENARIOS, args, targets, before_table=lambda name, runs: add_ratios(runs),
+                  after_table=lambda name, runs: print_split(runs) if name == "S3" else None)
 
 if __name__ == "__main__":
     main()

@@ -58,6 +58,7 @@ from common import (
     flush_redis,
     judge_config,
     percentile,
+    run_scenarios,
     score_results,
     start_qrq_workers,
 )
@@ -632,31 +633,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="S5 route order: j1200, j2400, j3600 (default) or the reverse "
                              "(diagnostic: the failover target is the first healthy sibling)")
     args = parser.parse_args(argv)
-    started = time.perf_counter()
     print(f"qrq routes benchmark: distributed mode (Redis at {REDIS_URL}, flushed per scenario; "
           f"S8 on a private redis-server), mock judges and qrq workers as subprocesses; "
           f"package at {package_version()}")
     print(LEGEND)
-    all_runs: list[Run] = []
-    for name in SCENARIOS if args.scenario == "all" else [args.scenario]:
-        title, fn = SCENARIOS[name]
-        try:
-            runs, notes = fn(args)
-        except Exception as exc:  # report it and go on with the other scenarios
-            log(f"{name} failed: {type(exc).__name__}: {exc}")
-            print(f"\n== {title}\n  {name} FAILED TO RUN: {type(exc).__name__}: {exc}")
-            continue
-        print_table(title, runs, notes)
-        if args.json:
-            for r in runs:
-                print(r.to_json())
-        sys.stdout.flush()
-        all_runs += runs
-    print("\n== targets")
-    for what, ok, figure in targets(all_runs):
-        print(f"{'PASS' if ok else 'FAIL'}  {what}: {figure}")
-    print(f"total benchmark wall time: {time.perf_counter() - started:.0f} s")
-
+    run_scenarios(SCENARIOS, args, targets)
 
 if __name__ == "__main__":
     main()
