@@ -23,7 +23,7 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from support import write_config  # noqa: E402  (tests/support.py, put on sys.path above)
+from support import PrivateRedis, write_config  # noqa: E402, F401  (tests/support.py, put on sys.path above)
 
 REDIS_URL = "redis://127.0.0.1:6379/9"
 BACKEND = "judge"
@@ -257,47 +257,6 @@ def start_qrq_workers(config: Path, specs: list[tuple[str, str]], app,
             w.stop()
         raise errors[0]
     return workers
-
-
-class PrivateRedis:
-    """`redis-server` on its own free port without RDB or AOF, so a restart loses every key: for
-    the Redis-restart scenario (the shared Redis at 6379 is never touched)."""
-
-    def __init__(self, directory: Path, port: int | None = None):
-        from support import free_port
-
-        self.directory, self.port = directory, port or free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, timeout_s: float = 10.0) -> PrivateRedis:
-        with (self.directory / f"redis-{self.port}.log").open("a") as log_fh:
-            self.proc = subprocess.Popen(
-                ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
-                 "--save", "", "--appendonly", "no", "--dir", str(self.directory)],
-                stdout=log_fh, stderr=subprocess.STDOUT)
-        client = redis.Redis.from_url(self.url, socket_connect_timeout=0.5)
-        deadline = time.monotonic() + timeout_s
-        try:
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"redis-server on port {self.port} exited")
-                try:
-                    if client.ping():
-                        return self
-                except redis.ConnectionError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server on port {self.port} did not answer")
-                time.sleep(0.05)
-        finally:
-            client.close()
-
-    def kill(self) -> None:
-        """SIGKILL, as a crash would (there is nothing to save to)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
 
 
 def run_scenarios(scenarios: dict, args, targets, before_table=None, after_table=None) -> None:

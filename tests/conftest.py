@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -19,6 +20,13 @@ def no_embedded_workers_left():
     from qreward_queue.runtime import shutdown
 
     shutdown()
+
+
+@pytest.fixture
+def stack():
+    """An ExitStack for the mock judges, workers and servers a test starts."""
+    with contextlib.ExitStack() as s:
+        yield s
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -9,6 +10,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import redis
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -313,3 +316,46 @@ def start_workers(config: Path, specs: list[tuple]) -> list[Worker]:
 def tasks_received(worker: Worker) -> int:
     """How many task messages this worker has taken from its queue so far (from its log)."""
     return worker.log.read_text().count("] received")
+
+
+def expected(app, backend: str, sample: dict) -> float:
+    """The mock judge's verdict on what `backend` sends it for `sample`."""
+    from qreward_queue.backends.judge import JudgeBackend
+    from qreward_queue.mock_judge import verdict
+
+    return verdict(JudgeBackend(app.backend_config(backend)).render(sample))
+
+
+class PrivateRedis:
+    """`redis-server` on its own port, without RDB or AOF: a restart loses everything."""
+
+    def __init__(self, directory: Path, port: int | None = None):
+        self.directory, self.port = directory, port or free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> PrivateRedis:
+        log = (self.directory / f"redis-{self.port}.log").open("a")
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+             "--save", "", "--appendonly", "no", "--dir", str(self.directory)],
+            stdout=log, stderr=subprocess.STDOUT,
+        )
+        log.close()
+        client = redis.Redis.from_url(self.url, socket_connect_timeout=0.5)
+
+        def up() -> bool:
+            assert self.proc is not None and self.proc.poll() is None, "redis-server exited"
+            with contextlib.suppress(redis.ConnectionError):
+                return bool(client.ping())
+            return False
+
+        wait_for(up, timeout_s=10, what=f"redis-server on port {self.port}")
+        client.close()
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would (nothing is saved: there is nothing to save to)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)

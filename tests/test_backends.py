@@ -6,9 +6,7 @@ a bad reply is never a silent 0; a bad item in a reward-model batch costs only t
 
 from __future__ import annotations
 
-import contextlib
 import json
-import socket
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -17,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
+from support import free_port
 
 from qreward_queue.backends import make_backend
 from qreward_queue.backends.function import FunctionBackend
@@ -144,10 +143,6 @@ def chat_reply(content: Any, tokens: int = 7) -> dict:
     }
 
 
-def free_port() -> int:
-    with contextlib.closing(socket.socket()) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # --- judge ----------------------------------------------------------------------------------

@@ -6,13 +6,13 @@ recomputed from the mock judge's rule.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from pathlib import Path
 
 import pytest
 import redis
 from support import (
+    expected,
     judge_backend,
     reward_model_backend,
     start_workers,
@@ -20,18 +20,11 @@ from support import (
 )
 
 import qreward_queue
-from qreward_queue.backends.judge import JudgeBackend
 from qreward_queue.cache import reward_identity
-from qreward_queue.mock_judge import MockJudgeSettings, rm_verdict, spawn, verdict
+from qreward_queue.mock_judge import MockJudgeSettings, rm_verdict, spawn
 from qreward_queue.status import queue_depth
 
 FALLBACK = -1.0
-
-
-@pytest.fixture
-def stack():
-    with contextlib.ExitStack() as s:
-        yield s
 
 
 @pytest.fixture
@@ -54,10 +47,6 @@ def samples_for(n: int, tag: str) -> list[dict]:
         {"id": f"{tag}-{i}", "prompt": f"{tag} question {i}", "response": f"answer {i * 11}"}
         for i in range(n)
     ]
-
-
-def expected(app, backend: str, sample: dict) -> float:
-    return verdict(JudgeBackend(app.backend_config(backend)).render(sample))
 
 
 def task_results(redis_url: str) -> int:

@@ -11,7 +11,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -20,6 +19,7 @@ import pytest
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+from support import free_port
 
 from qreward_queue.limiter import Limiter, LimiterBusy
 
@@ -254,10 +254,6 @@ def test_aimd_shared_by_limiters(redis_url: str) -> None:
     assert a.status()["adaptive_limit"] == 6
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs the redis-server binary")

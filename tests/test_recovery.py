@@ -7,14 +7,11 @@ result and key); the shared test Redis is never touched by it.
 
 from __future__ import annotations
 
-import contextlib
-import subprocess
 import time
-from pathlib import Path
 
-import pytest
-import redis
 from support import (
+    PrivateRedis,
+    expected,
     free_port,
     judge_backend,
     start_workers,
@@ -24,59 +21,13 @@ from support import (
 )
 
 import qreward_queue
-from qreward_queue.backends.judge import JudgeBackend
-from qreward_queue.mock_judge import MockJudgeSettings, spawn, verdict
+from qreward_queue.mock_judge import MockJudgeSettings, spawn
 
 FALLBACK = -1.0
 
 
-@pytest.fixture
-def stack():
-    with contextlib.ExitStack() as s:
-        yield s
-
-
-def expected(app, backend: str, sample: dict) -> float:
-    return verdict(JudgeBackend(app.backend_config(backend)).render(sample))
-
-
 def samples_for(n: int, tag: str) -> list[dict]:
     return [{"prompt": f"{tag} question {i}", "response": f"answer {i * 3}"} for i in range(n)]
-
-
-class PrivateRedis:
-    """`redis-server` on its own port, without RDB or AOF: a restart loses everything."""
-
-    def __init__(self, directory: Path, port: int | None = None):
-        self.directory, self.port = directory, port or free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> PrivateRedis:
-        log = (self.directory / f"redis-{self.port}.log").open("a")
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
-             "--save", "", "--appendonly", "no", "--dir", str(self.directory)],
-            stdout=log, stderr=subprocess.STDOUT,
-        )
-        log.close()
-        client = redis.Redis.from_url(self.url, socket_connect_timeout=0.5)
-
-        def up() -> bool:
-            assert self.proc is not None and self.proc.poll() is None, "redis-server exited"
-            with contextlib.suppress(redis.ConnectionError):
-                return bool(client.ping())
-            return False
-
-        wait_for(up, timeout_s=10, what=f"redis-server on port {self.port}")
-        client.close()
-        return self
-
-    def kill(self) -> None:
-        """SIGKILL, as a crash would (nothing is saved: there is nothing to save to)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
 
 
 def test_redis_restart_loses_no_reward(tmp_path, stack):

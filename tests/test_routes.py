@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 from support import (
+    expected,
     free_port,
     judge_backend,
     start_workers,
@@ -24,8 +25,7 @@ from support import (
 )
 
 import qreward_queue
-from qreward_queue.backends.judge import JudgeBackend
-from qreward_queue.mock_judge import MockJudgeSettings, spawn, verdict
+from qreward_queue.mock_judge import MockJudgeSettings, spawn
 from qreward_queue.status import queue_depth
 
 FALLBACK = -1.0  # no judge gives this, so a fallback score cannot pass for a real one
@@ -58,10 +58,6 @@ def samples_for(n: int, tag: str) -> list[dict]:
         {"prompt": f"{tag} question {i}", "response": f"answer {i * 7}", "reference": str(i)}
         for i in range(n)
     ]
-
-
-def expected(app, backend: str, sample: dict) -> float:
-    return verdict(JudgeBackend(app.backend_config(backend)).render(sample))
 
 
 def assert_all_ok(app, samples, outcomes) -> None:
