@@ -19,7 +19,7 @@ from celery.backends.redis import RedisBackend
 from celery.signals import task_received, worker_ready
 from kombu import Queue
 
-from . import tasks
+from . import keys, tasks
 from .breaker import CircuitBreaker
 from .config import Backend, Config
 from .limiter import Limiter
@@ -94,7 +94,7 @@ def celery_settings(config: Config) -> dict:
         "queue_order_strategy": "priority",
         "priority_steps": list(range(10)),
         "sep": ":",
-        "global_keyprefix": "qrq:",
+        "global_keyprefix": keys.PREFIX,
         "visibility_timeout": config.visibility_timeout_s,
         "unacked_restore_throttle": 1,
         "socket_timeout": 10,
@@ -134,7 +134,7 @@ def celery_settings(config: Config) -> dict:
             broker_url=config.redis_url,
             result_backend=f"qreward_queue.app:QrqRedisBackend+{config.redis_url}",
             broker_transport_options=transport,
-            result_backend_transport_options={"global_keyprefix": "qrq:"},
+            result_backend_transport_options={"global_keyprefix": keys.PREFIX},
             redis_backend_health_check_interval=30,
             redis_socket_timeout=10,  # a result read never hangs on a dead connection
             redis_socket_connect_timeout=5,
@@ -165,9 +165,15 @@ class QrqRedisBackend(_NoRetryState, RedisBackend):
     def on_task_call(self, producer, task_id) -> None:
         return None
 
+    def forget_many(self, task_ids: list[str]) -> None:
+        """Drop results the client has read (one DEL; `result_expires` stays the safety net)."""
+        self.client.delete(*(self.get_key_for_task(t) for t in task_ids))
+
 
 class QrqCacheBackend(_NoRetryState, CacheBackend):
-    pass
+    def forget_many(self, task_ids: list[str]) -> None:
+        for task_id in task_ids:
+            self.delete(self.get_key_for_task(task_id))
 
 
 @task_received.connect
@@ -177,7 +183,7 @@ def _mark_holder(sender, request, **_) -> None:
     app = sender.app
     if isinstance(app, QrqCelery) and not app.qrq_config.embedded:
         with contextlib.suppress(redis.RedisError):
-            app.store.set(f"qrq:held:{request.id}", sender.hostname, ex=HELD_TTL_S)
+            app.store.set(keys.held(request.id), sender.hostname, ex=HELD_TTL_S)
 
 
 @worker_ready.connect
@@ -187,7 +193,7 @@ def _start_heartbeat(sender, **_) -> None:
     app = sender.app
     if not isinstance(app, QrqCelery) or app.qrq_config.embedded:
         return
-    key = f"qrq:alive:{sender.hostname}"
+    key = keys.alive(sender.hostname)
 
     def beat() -> None:
         while True:

@@ -5,15 +5,20 @@ Closed: calls go through. After `threshold` failures in a row (timeouts, connect
 get the work. When the cooldown ends it is half-open: exactly one caller gets to probe; a
 success closes it, a failure opens it again. Expiring keys keep time, so no clock is read.
 
-    qrq:{<backend>}:fails    consecutive failures (expires after a minute without one)
-    qrq:{<backend>}:open     exists while open (PX cooldown)
-    qrq:{<backend>}:tripped  exists from the first opening until a success
-    qrq:{<backend>}:probe    the one half-open probe in flight
+Keys (`keys.breaker`): `fails` consecutive failures (expires after a minute without one),
+`open` exists while open (PX cooldown), `tripped` from the first opening until a success,
+`probe` the one half-open probe in flight.
 """
 
 from __future__ import annotations
 
+import time
+
 import redis
+
+from . import keys
+
+CLEAN_CACHE_S = 0.5
 
 
 class CircuitBreaker:
@@ -28,19 +33,29 @@ class CircuitBreaker:
                  cooldown_s: float = 30.0, probe_ttl_s: float = 60.0):
         self.store, self.threshold = store, threshold
         self.cooldown_ms, self.probe_ttl_ms = int(cooldown_s * 1000), int(probe_ttl_s * 1000)
-        tag = f"qrq:{{{backend}}}"
-        self.fails, self.open_key = f"{tag}:fails", f"{tag}:open"
-        self.tripped, self.probe = f"{tag}:tripped", f"{tag}:probe"
+        names = keys.breaker(backend)
+        self.fails, self.open_key = names["fails"], names["open"]
+        self.tripped, self.probe = names["tripped"], names["probe"]
         self._dirty = True  # until allow() has looked, assume there may be state to clear
+        self._clean_until = 0.0  # monotonic time until which a clean, closed state is trusted
 
     def is_open(self) -> bool:
         """True while the backend should get no new work (cooling down)."""
         return bool(self.store.exists(self.open_key))
 
     def allow(self) -> bool:
-        """May this caller use the backend now? In half-open state only the one prober may."""
+        """May this caller use the backend now? In half-open state only the one prober may.
+
+        A clean, closed state (no failure anywhere) is trusted for CLEAN_CACHE_S without a
+        round trip: a failure seen by another process is noticed that much later at most.
+        """
+        now = time.monotonic()
+        if now < self._clean_until:
+            return True
         is_open, tripped, fails = self.store.mget(self.open_key, self.tripped, self.fails)
         self._dirty = self._dirty or bool(tripped or fails)
+        if not (is_open or tripped or fails):
+            self._clean_until = now + CLEAN_CACHE_S
         if is_open:
             return False
         if tripped:
@@ -58,7 +73,7 @@ class CircuitBreaker:
             self.store.delete(self.fails, self.tripped, self.probe)
 
     def failure(self) -> None:
-        self._dirty = True
+        self._dirty, self._clean_until = True, 0.0
         with self.store.pipeline() as pipe:
             pipe.incr(self.fails).expire(self.fails, 60).exists(self.tripped)
             count, _, tripped = pipe.execute()

@@ -8,6 +8,7 @@ import json
 
 import redis
 
+from . import keys
 from .config import Config, Route
 from .samples import Outcome
 
@@ -34,7 +35,7 @@ class ScoreCache:
     """Scores in Redis with a TTL; hits come back as `cached` outcomes without queueing."""
 
     def __init__(self, store: redis.Redis, identity: str, ttl_s: float):
-        self.store, self.prefix, self.ttl_ms = store, f"qrq:cache:{identity}:", int(ttl_s * 1000)
+        self.store, self.prefix, self.ttl_ms = store, keys.cache(identity), int(ttl_s * 1000)
 
     def get_many(self, keys: list[str]) -> dict[str, Outcome]:
         if not keys:

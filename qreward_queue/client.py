@@ -11,25 +11,26 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from collections.abc import Generator, Sequence
-from dataclasses import replace
 from typing import Any, Literal
 
 import redis
-from celery import group
 from celery.states import READY_STATES
 
+from . import keys
 from .app import PRIORITIES, QrqCelery
 from .cache import ScoreCache, content_key, reward_identity
+from .capacity import queue_depth, route_shares
 from .config import Route
-from .routing import Chunk, plan, route_shares
+from .errors import DeadlineExceeded, ScoringError
+from .routing import Chunk, plan
 from .runtime import get_app
 from .samples import Outcome, validate_samples
-from .status import queue_depth
-from .tasks import TASK_NAME
+from .tasks import TASK_NAME, summary
 
 Priority = Literal["val", "train", "bulk"]
-POLL_INTERVAL_S = 0.05
+POLL_INTERVAL_S = 0.02
 LIVENESS_CHECK_S = 2.0
 
 
@@ -60,7 +61,11 @@ class RewardBatch:
     ):
         self.app, self.route, self.samples = app, route, samples
         self.priority, self.deadline, self.cache = priority, deadline, cache
-        self._outcomes, self._copies = outcomes, copies
+        self._copies = copies
+        self._outcomes: list[Outcome | None] = [None] * len(samples)
+        for i, outcome in enumerate(outcomes):
+            if outcome is not None:
+                self._place(i, outcome)
         self._pending: dict[str, Chunk] = {}
         self._sentinel: str | None = None
         self._next_liveness_check = time.monotonic() + LIVENESS_CHECK_S
@@ -80,6 +85,10 @@ class RewardBatch:
         """True once every sample has an outcome (polls once, never blocks)."""
         self._poll()
         return not self._pending
+
+    def partial(self) -> list[Outcome | None]:
+        """The outcomes so far, in input order (None: not yet); never polls or blocks."""
+        return list(self._outcomes)
 
     def outcomes(self, timeout: float | None = None) -> list[Outcome]:
         """Full outcome records in input order; see `get` for the waiting rules."""
@@ -111,34 +120,32 @@ class RewardBatch:
     # -- sending -------------------------------------------------------------------------------
 
     def send(self, chunks: list[Chunk]) -> None:
-        """Publish one score_chunk task per chunk and remember which indices it answers."""
+        """Publish one score_chunk task per chunk over one producer and remember which
+        indices each answers."""
         if not chunks:
             return
         config = self.app.qrq_config
-        signatures = [
-            self.app.signature(
-                TASK_NAME,
-                kwargs={
-                    "backend": c.backend,
-                    "samples": [self.samples[i] for i in c.indices],
-                    "route": list(self.route.backends),
-                    "deadline": self.deadline,
-                },
-            ).set(
-                queue=config.backend(c.backend).queue,
-                priority=self.priority,
-                expires=max(1.0, self.deadline - time.time()),
-                argsrepr=f"({c.backend!r}, <{len(c.indices)} samples>)",
-                kwargsrepr="{}",
-            )
-            for c in chunks
-        ]
+        route = list(self.route.backends)
+        expires = max(1.0, self.deadline - time.time())
         with self.app.producer_or_acquire() as producer:
-            result = group(signatures).apply_async(producer=producer)
-        self._pending.update(zip((r.id for r in result.results), chunks, strict=True))
+            for chunk in chunks:
+                task_id = uuid.uuid4().hex
+                samples = [self.samples[i] for i in chunk.indices]
+                self.app.send_task(
+                    TASK_NAME,
+                    kwargs={"backend": chunk.backend, "samples": samples, "route": route,
+                            "deadline": self.deadline},
+                    task_id=task_id,
+                    producer=producer,
+                    queue=config.backend(chunk.backend).queue,
+                    priority=self.priority,
+                    expires=expires,
+                    **summary(chunk.backend, samples),
+                )
+                self._pending[task_id] = chunk
         if not config.embedded:
             # Redis losing its data (a restart without persistence) takes this key with it.
-            self._sentinel = f"qrq:batch:{result.id}"
+            self._sentinel = self._sentinel or keys.batch_sentinel(uuid.uuid4().hex)
             ttl_ms = int((self.deadline - time.time() + 60) * 1000)
             self.app.store.set(self._sentinel, 1, px=max(ttl_ms, 1000))
 
@@ -152,9 +159,11 @@ class RewardBatch:
             lost = self._lost_chunks(metas)
         except (redis.ConnectionError, redis.TimeoutError, OSError):
             return  # Redis is restarting: try again at the next poll, until the deadline
-        for task_id, meta in metas.items():
-            if meta["status"] in READY_STATES:
-                self._settle(self._pending.pop(task_id), meta)
+        collected = [t for t, meta in metas.items() if meta["status"] in READY_STATES]
+        for task_id in collected:
+            self._settle(self._pending.pop(task_id), metas[task_id])
+        if collected:  # read once, never again: the expiry stays as the safety net
+            self.app.backend.forget_many(collected)
         if lost and time.time() < self.deadline:
             for task_id in lost:
                 self._pending.pop(task_id, None)
@@ -181,11 +190,9 @@ class RewardBatch:
         if self._sentinel and not store.exists(self._sentinel):
             return {i: c for i, c in self._pending.items() if i not in metas}
         waiting = [i for i in self._pending if i not in metas]
-        holders = dict(zip(waiting, store.mget([f"qrq:held:{i}" for i in waiting]), strict=True))
+        holders = dict(zip(waiting, store.mget([keys.held(i) for i in waiting]), strict=True))
         hosts = sorted({h for h in holders.values() if h})
-        alive = dict(
-            zip(hosts, store.mget([f"qrq:alive:{h.decode()}" for h in hosts]), strict=True)
-        )
+        alive = dict(zip(hosts, store.mget([keys.alive(h.decode()) for h in hosts]), strict=True))
         lost = {i: self._pending[i] for i, h in holders.items() if h and not alive[h]}
         unheld = {i for i, h in holders.items() if not h}
         if unheld and not any(
@@ -199,42 +206,36 @@ class RewardBatch:
 
     def _settle(self, chunk: Chunk, meta: dict) -> None:
         status, result = meta["status"], meta.get("result")
-        fallback = self.app.qrq_config.fallback_score
         if status == "SUCCESS" and isinstance(result, list) and len(result) == len(chunk.indices):
             outcomes = [Outcome.from_dict(d) for d in result]
-        elif status == "REVOKED":
-            outcomes = [
-                Outcome(fallback, "timeout", error="the task expired at the deadline")
-                for _ in chunk.indices
-            ]
         else:
-            outcomes = [
-                Outcome(fallback, "error", error=f"task {status}: {_describe(result)}")
-                for _ in chunk.indices
-            ]
+            error = (
+                DeadlineExceeded("the task expired at the deadline")
+                if status == "REVOKED"
+                else ScoringError(f"task {status}: {_describe(result)}")
+            )
+            outcomes = [Outcome.failed(error) for _ in chunk.indices]
         fresh = {}
         for i, outcome in zip(chunk.indices, outcomes, strict=True):
-            for j in [i, *self._copies.get(i, ())]:
-                self._outcomes[j] = Outcome(
-                    **{**outcome.to_dict(), "id": self.samples[j].get("id")}
-                )
+            self._place(i, outcome)
             if outcome.status == "ok":
                 fresh[content_key(self.samples[i])] = outcome
         if self.cache and fresh:
             self.cache.put_many(fresh)
 
     def _expire(self) -> None:
-        fallback = self.app.qrq_config.fallback_score
+        late = DeadlineExceeded("no result by the batch deadline")
         for chunk in self._pending.values():
             for i in chunk.indices:
-                for j in [i, *self._copies.get(i, ())]:
-                    self._outcomes[j] = Outcome(
-                        fallback,
-                        "timeout",
-                        id=self.samples[j].get("id"),
-                        error="no result by the batch deadline",
-                    )
+                self._place(i, Outcome.failed(late))
         self._pending.clear()
+
+    def _place(self, i: int, outcome: Outcome) -> None:
+        """The one place an outcome gets its sample's id and, on failure, the fallback score;
+        identical samples scored once get a copy each."""
+        fallback = self.app.qrq_config.fallback_score
+        for j in [i, *self._copies.get(i, ())]:
+            self._outcomes[j] = outcome.placed(_id(self.samples[j]), fallback)
 
 
 def _describe(result: Any) -> str:
@@ -268,9 +269,7 @@ def submit_batch(
     problems = validate_samples(samples, config.max_sample_bytes, on_invalid == "raise")
     outcomes: list[Outcome | None] = [None] * len(samples)
     for i, why in problems.items():
-        outcomes[i] = Outcome(
-            config.fallback_score, "error", id=_id(samples[i]), error=f"invalid sample {i}: {why}"
-        )
+        outcomes[i] = Outcome.failed(ScoringError(f"invalid sample {i}: {why}"))
     first: dict[str, int] = {}
     copies: dict[int, list[int]] = {}
     for i in range(len(samples)):
@@ -287,8 +286,7 @@ def submit_batch(
     )
     hits = cache.get_many(list(first)) if cache else {}
     for key, outcome in hits.items():
-        for j in [first[key], *copies.get(first[key], ())]:
-            outcomes[j] = replace(outcome, id=_id(samples[j]))
+        outcomes[first[key]] = outcome
     todo = [i for key, i in first.items() if key not in hits]
     deadline = time.time() + (deadline_s if deadline_s is not None else config.deadline_s)
     batch = RewardBatch(

@@ -62,8 +62,9 @@ class Pool:
     """How the Celery worker pool for one backend runs."""
 
     type: str = "threads"
-    concurrency: int = 16
+    concurrency: int = 2  # chunk tasks at once per worker process
     rate_limit: str | None = None
+    calls: int = 32  # backend calls in flight per worker process, shared by its tasks
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ class Backend:
     model: str | None = None
     api_key_env: str | None = None
     timeout_s: float = 60.0
-    chunk_size: int = 1
+    chunk_size: int | None = None  # samples per task; None: sized by the planner
     prompt_template: str = DEFAULT_TEMPLATE
     system_prompt: str | None = None
     score_pattern: str = DEFAULT_SCORE_PATTERN
@@ -255,8 +256,13 @@ def _pool(t: _Table, kind: str) -> Pool:
     rate_limit = t.get("rate_limit", str, None, expected='a Celery rate such as "50/s"')
     if rate_limit is not None and not _RATE_LIMIT.match(rate_limit):
         raise t.fail("rate_limit", 'a Celery rate such as "50/s", "3000/m" or "100/h"')
-    default_concurrency = (os.cpu_count() or 2) if pool_type == "prefork" else 16
-    pool = Pool(pool_type, t.integer("concurrency", default_concurrency), rate_limit)
+    default_concurrency = (os.cpu_count() or 2) if pool_type == "prefork" else Pool.concurrency
+    pool = Pool(
+        pool_type,
+        t.integer("concurrency", default_concurrency),
+        rate_limit,
+        t.integer("calls", 1 if kind == "function" else Pool.calls),
+    )
     t.finish()
     return pool
 
@@ -316,8 +322,7 @@ def load_backend(path: str | os.PathLike[str]) -> Backend:
         )
         if not re.fullmatch(r"[\w.]+:[\w.]+", values["function"]):
             raise b.fail("function", "an import path 'package.module:callable'")
-    default_chunk = {"judge": 1, "function": 16}.get(kind, values.get("batch_size"))
-    values["chunk_size"] = b.integer("chunk_size", default_chunk)
+    values["chunk_size"] = b.integer("chunk_size", 16 if kind == "function" else None)
     b.finish()
     backend = Backend(
         name=name,

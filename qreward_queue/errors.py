@@ -4,11 +4,13 @@ QrqError
 ├── ConfigError        a broken qrq.toml or workers/*.toml (names file and key)
 ├── InvalidSamples     samples rejected before anything is queued (names every index)
 ├── UnknownRoute       submit_batch(route=...) names no configured route or backend
-└── ScoringError       a sample could not be scored: outcome status "error"
+└── ScoringError       a sample could not be scored: outcome status `status` ("error")
     ├── RetryableError     worth another try, here or on a sibling backend
     │   ├── RateLimited        HTTP 429 (carries Retry-After)
-    │   └── TransientError     timeout, connection error, 5xx
-    └── PermanentError     other 4xx, unparseable verdict: retrying cannot help
+    │   ├── TransientError     timeout, connection error, 5xx
+    │   └── LimiterBusy        the global limiter cannot start the call soon: try again later
+    ├── PermanentError     other 4xx, unparseable verdict: retrying cannot help
+    └── DeadlineExceeded   the batch deadline passed first: outcome status "timeout"
 """
 
 from __future__ import annotations
@@ -38,11 +40,14 @@ class InvalidSamples(QrqError):
 
 
 class ScoringError(QrqError):
-    """A sample could not be scored; `detail` keeps what the backend said.
+    """A sample could not be scored; `detail` keeps what the backend said, `status` is the
+    outcome status it becomes.
 
     The HTTP facts (status, headers, whether the call timed out) travel with the error so the
     limiter can learn from failures as well as from successes.
     """
+
+    status = "error"
 
     def __init__(
         self,
@@ -76,3 +81,18 @@ class TransientError(RetryableError):
 
 class PermanentError(ScoringError):
     """A 4xx other than 429, or a reply we cannot parse: never retried blindly."""
+
+
+class LimiterBusy(RetryableError):
+    """The call cannot start within the wait allowed: retry the task after `wait_s` instead."""
+
+    def __init__(self, wait_s: float, reason: str) -> None:
+        super().__init__(f"limiter busy ({reason}): next start in {wait_s:.3f} s")
+        self.wait_s = wait_s
+        self.reason = reason
+
+
+class DeadlineExceeded(ScoringError):
+    """The batch deadline passed before the sample was scored."""
+
+    status = "timeout"

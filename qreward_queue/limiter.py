@@ -5,22 +5,21 @@ worker. Every worker process on every machine therefore books its calls here, in
 scripts (``qreward_queue/lua/``) clocked by Redis ``TIME`` so that skewed machine clocks do not
 matter. A call is booked at its start time, so levels can go below zero: later calls wait behind
 that debt (first booked, first served) and a cost above capacity passes after its fair wait.
-Keys per backend share one hash tag (one Redis Cluster slot)::
 
-    qrq:{<backend>}:bucket     hash: per limit its level and refill time, learned rates, pause
-    qrq:{<backend>}:leases     zset: holder id -> lease expiry (server ms)
-    qrq:{<backend>}:aimd       hash: adaptive concurrency limit
-    qrq:{<backend>}:recent429  counter of 429s, expires 60 s after the first
+A call costs two round trips in the common case: ``acquire`` (which can grant several calls at
+once) and ``finish`` (settle tokens, learn from the reply, release the lease). Python and Lua
+exchange named fields as JSON. Key names: ``keys.limiter``.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import random
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import resources
@@ -29,38 +28,24 @@ from typing import Any, TypeVar
 import redis
 from redis.commands.core import Script
 
+from . import keys
+from .errors import LimiterBusy
 from .ratelimit_headers import RateLimitHeaders
 
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-_Limit = tuple[str, float, float]  # name, capacity, refill rate per ms
-_SCRIPT_KEYS = {  # script -> indexes into _keys(backend)
-    "acquire": (0, 1, 2),
-    "settle": (0,),
-    "feedback": (0, 2, 3),
-    "checkpoint": (0, 1),
-    "status": (0, 1, 2, 3),
+_SCRIPT_KEYS = {  # script -> the limiter keys it touches, in KEYS order
+    "acquire": ("bucket", "leases", "aimd"),
+    "checkpoint": ("bucket", "leases"),
+    "finish": ("bucket", "leases", "aimd", "recent429"),
+    "status": ("bucket", "leases", "aimd", "recent429"),
 }
 
 
 def estimate_tokens(text: str, max_output_tokens: int = 0) -> int:
     """TPM cost to book before a call, as providers count it: ~4 characters a token + output cap."""
     return math.ceil(len(text) / 4) + max_output_tokens
-
-
-class LimiterBusy(Exception):
-    """The call cannot start within ``max_wait_s``: retry the task after ``wait_s`` instead."""
-
-    def __init__(self, wait_s: float, reason: str) -> None:
-        super().__init__(f"limiter busy ({reason}): next start in {wait_s:.3f} s")
-        self.wait_s = wait_s
-        self.reason = reason
-
-
-def _keys(backend: str) -> tuple[str, str, str, str]:
-    tag = f"qrq:{{{backend}}}"
-    return f"{tag}:bucket", f"{tag}:leases", f"{tag}:aimd", f"{tag}:recent429"
 
 
 def _load_scripts(client: redis.Redis) -> dict[str, Script]:
@@ -71,32 +56,38 @@ def _load_scripts(client: redis.Redis) -> dict[str, Script]:
             for name in _SCRIPT_KEYS}
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _limit_args(limits: Sequence[_Limit], extra: Mapping[str, Sequence[Any]]) -> list[Any]:
-    """The ``n, then per limit: name, capacity, rate, *extra`` tail that every script takes."""
-    args: list[Any] = [len(limits)]
-    for name, cap, rate in limits:
-        args += [name, cap, rate, *extra.get(name, ())]
-    return args
+def _as_list(value: Any) -> list:
+    """cjson encodes an empty Lua table as ``{}``."""
+    return value if isinstance(value, list) else []
 
 
 @dataclass
 class Grant:
-    """A call the limiter let through; its lease is held until the ``with`` block ends."""
+    """A call the limiter let through: its lease is held until ``finish`` (or the ``with`` end)."""
 
     holder: str
     wait_s: float
     tokens: float
     _limiter: Limiter = field(repr=False)
     _shift_ms: float = field(repr=False)  # the pause shift it was booked under
+    _used_tokens: float | None = field(default=None, repr=False)
+    finished: bool = field(default=False, repr=False)
+
+    def wait(self) -> None:
+        """Sleep until the booked start, plus any pause that was ordered meanwhile."""
+        self._limiter._wait_for_start(self)
 
     def settle(self, actual_tokens: float) -> None:
-        """Reconcile the booked TPM estimate with the call's real usage (no-op without tpm)."""
-        self._limiter._settle_tokens(self.tokens - actual_tokens)
-        self.tokens = actual_tokens
+        """Record the call's real token usage; ``finish`` reconciles it with the estimate."""
+        self._used_tokens = actual_tokens
+
+    def finish(self, status_code: int | None = None, headers: Mapping[str, str] | None = None,
+               timed_out: bool = False) -> None:
+        """One round trip: reconcile tokens, learn from the reply, release the lease."""
+        if not self.finished:
+            self.finished = True
+            refund = 0.0 if self._used_tokens is None else self.tokens - self._used_tokens
+            self._limiter._finish([self.holder], status_code, headers, timed_out, refund)
 
 
 class Limiter:
@@ -113,7 +104,7 @@ class Limiter:
     >>> limiter = Limiter(fakeredis.FakeRedis(), "judge-a", rpm=600, tpm=60_000, max_concurrent=4)
     >>> with limiter.acquire(tokens=estimate_tokens("Is 2+2=4? Answer yes or no.", 16)) as grant:
     ...     grant.settle(actual_tokens=20)  # after the call: its real usage
-    >>> limiter.feedback(200, {"x-ratelimit-remaining-requests": "99"})
+    ...     grant.finish(200, {"x-ratelimit-remaining-requests": "99"})
     >>> limiter.status()["leases_in_use"], limiter.status()["adaptive_limit"]
     (0, 4)
     """
@@ -138,10 +129,10 @@ class Limiter:
         self.outage_wait_s = outage_wait_s
         self.aimd_cooldown_s = aimd_cooldown_s
         self._redis = redis_client
-        self._keys = _keys(backend)
+        self._keys = keys.limiter(backend)
         self._scripts = _load_scripts(redis_client)
-        self._limits: list[_Limit] = [
-            (name, max(per_min / 60.0 * burst_s, 1.0), per_min / 60_000.0)
+        self._limits = [
+            {"name": name, "cap": max(per_min / 60.0 * burst_s, 1.0), "rate": per_min / 60_000.0}
             for name, per_min in (("rpm", rpm), ("tpm", tpm))
             if per_min
         ]
@@ -151,22 +142,88 @@ class Limiter:
         """Hold a lease and the costs (1 request, ``tokens``) for the ``with`` block.
 
         Sleeps the granted wait first; polls (with jitter) while no lease is free. Raises
-        `LimiterBusy` when the call could not start within ``max_wait_s``.
+        `LimiterBusy` when the call could not start within ``max_wait_s``. The lease is released
+        by ``grant.finish(...)`` or, at the latest, when the block ends.
         """
-        grant = self._reserve(tokens, max_wait_s)
+        (grant,) = self.reserve(1, tokens, max_wait_s)
         try:
-            self._wait_for_start(grant)
+            grant.wait()
             yield grant
         finally:
-            self._retry(self._redis.zrem, self._keys[1], grant.holder)
+            grant.finish()
+
+    def reserve(self, count: int, tokens: float = 0, max_wait_s: float = 30.0) -> list[Grant]:
+        """Book up to ``count`` calls of ``tokens`` each in one round trip; at least one.
+
+        Fewer come back when leases run out. Each grant must be waited (``grant.wait()``) and
+        finished (``grant.finish(...)``). Polls while no lease is free; raises `LimiterBusy`
+        when not even one call could start within ``max_wait_s``.
+        """
+        prefix = uuid.uuid4().hex
+        deadline = time.monotonic() + max_wait_s
+        limits = [dict(lim, cost=1 if lim["name"] == "rpm" else tokens) for lim in self._limits]
+        while True:
+            budget_ms = max(0.0, deadline - time.monotonic()) * 1000
+            reply = self._run("acquire", holder=prefix, count=count, limits=limits,
+                              lease_ttl_ms=self.lease_ttl_s * 1000,
+                              max_concurrent=self.max_concurrent, max_wait_ms=budget_ms)
+            waits = _as_list(reply["waits"])
+            if waits:
+                return [Grant(f"{prefix}:{k}", w / 1000, tokens, self, float(reply["shift"]))
+                        for k, w in enumerate(waits, start=1)]
+            wait_s = reply["wait_ms"] / 1000
+            if reply["reason"] != "lease" or time.monotonic() + wait_s > deadline:
+                raise LimiterBusy(wait_s, reply["reason"])
+            time.sleep(wait_s * random.uniform(0.5, 1.5))
 
     def feedback(self, status_code: int | None, headers: Mapping[str, str] | None = None,
                  timed_out: bool = False) -> None:
-        """Teach the limiter what the backend answered: headers, 429 pauses, AIMD events.
+        """Teach the limiter what the backend answered, outside a grant (see `Grant.finish`)."""
+        self._finish([], status_code, headers, timed_out, 0.0)
 
-        A 429 pauses the backend for everyone for Retry-After (else the reset of an exhausted
-        limit, else 1 s); 429s and timeouts halve the adaptive concurrency, successes grow it.
-        """
+    def pause(self, seconds: float) -> None:
+        """Stop every worker of this backend for ``seconds`` (booked calls move back with it)."""
+        self._call_finish([], "", seconds, RateLimitHeaders(), 0.0)
+
+    def status(self) -> dict[str, Any]:
+        """Levels refilled to now (nothing written), rates, leases, adaptive limit, 429s, pause."""
+        s = self._run("status", limits=self._limits)
+        return {
+            "backend": self.backend,
+            "limits": {
+                lim["name"]: {
+                    "level": lim["level"],
+                    "capacity": lim["cap"],
+                    "per_minute": lim["rate"] * 60_000,
+                    "configured_per_minute": lim["cfg_rate"] * 60_000,
+                    "reset_in_s": lim["reset_ms"] / 1000 if "reset_ms" in lim else None,
+                }
+                for lim in _as_list(s["limits"])
+            },
+            "leases_in_use": int(s["leases"]),
+            "max_concurrent": self.max_concurrent or None,
+            "adaptive_limit": int(s["adaptive_limit"]) if "adaptive_limit" in s else None,
+            "recent_429s": int(s["recent_429s"]),
+            "paused_for_s": s["paused_ms"] / 1000,
+        }
+
+    def _wait_for_start(self, grant: Grant) -> None:
+        if grant.wait_s <= 0:
+            return
+        time.sleep(grant.wait_s)
+        seen = grant._shift_ms
+        while True:
+            reply = self._run("checkpoint", holder=grant.holder, seen_shift=seen,
+                              lease_ttl_ms=self.lease_ttl_s * 1000)
+            seen, extra_ms = reply["shift"], reply["extra_ms"]
+            if extra_ms <= 0:
+                return
+            time.sleep(extra_ms / 1000)
+
+    def _finish(self, holders: list[str], status_code: int | None,
+                headers: Mapping[str, str] | None, timed_out: bool, refund: float) -> None:
+        """A 429 pauses the backend for everyone for Retry-After (else the reset of an exhausted
+        limit, else 1 s); 429s and timeouts halve the adaptive concurrency, successes grow it."""
         h = RateLimitHeaders.from_headers(headers)
         ok = status_code is not None and 200 <= status_code < 300
         event = "timeout" if timed_out else "429" if status_code == 429 else "ok" if ok else ""
@@ -176,66 +233,35 @@ class Limiter:
                                                    (h.reset_tokens_s, h.remaining_tokens))
                          if reset is not None and not left]
             pause_s = max(exhausted, default=1.0) if h.retry_after_s is None else h.retry_after_s
-        self._feedback(event, pause_s, h)
-
-    def pause(self, seconds: float) -> None:
-        """Stop every worker of this backend for ``seconds`` (booked calls move back with it)."""
-        self._feedback("", seconds, RateLimitHeaders())
-
-    def status(self) -> dict[str, Any]:
-        """Levels refilled to now (nothing written), rates, leases, adaptive limit, 429s, pause."""
-        result = self._run("status", *_limit_args(self._limits, {}))
-        return _parse_status(self.backend, self.max_concurrent, result)
-
-    def _reserve(self, tokens: float, max_wait_s: float) -> Grant:
-        holder = uuid.uuid4().hex
-        costs = {"rpm": [1], "tpm": [tokens]}
-        deadline = time.monotonic() + max_wait_s
-        while True:
-            budget_ms = max(0.0, deadline - time.monotonic()) * 1000
-            granted, wait_ms, reason, shift = map(_text, self._run(
-                "acquire", holder, self.lease_ttl_s * 1000, self.max_concurrent, budget_ms,
-                *_limit_args(self._limits, costs)))
-            wait_s = float(wait_ms) / 1000
-            if granted == "1":
-                return Grant(holder, wait_s, tokens, self, float(shift))
-            if reason != "lease" or time.monotonic() + wait_s > deadline:
-                raise LimiterBusy(wait_s, reason)
-            time.sleep(wait_s * random.uniform(0.5, 1.5))
-
-    def _wait_for_start(self, grant: Grant) -> None:
-        """Sleep the booked wait, plus any pause that was ordered meanwhile."""
-        if grant.wait_s <= 0:
+        if not (event or pause_s or refund) and h == RateLimitHeaders():  # just release
+            if holders:
+                self._retry(self._redis.zrem, self._keys["leases"], *holders)
             return
-        time.sleep(grant.wait_s)
-        seen = grant._shift_ms
-        while True:
-            seen, extra_ms = map(float, map(_text, self._run(
-                "checkpoint", grant.holder, self.lease_ttl_s * 1000, seen)))
-            if extra_ms <= 0:
-                return
-            time.sleep(extra_ms / 1000)
+        self._call_finish(holders, event, pause_s, h, refund)
 
-    def _settle_tokens(self, delta: float) -> None:
-        if delta and any(name == "tpm" for name, _, _ in self._limits):
-            self._run("settle", *_limit_args(self._limits, {"rpm": [0], "tpm": [delta]}))
-
-    def _feedback(self, event: str, pause_s: float, h: RateLimitHeaders) -> None:
-        def opt(value: float | None, scale: float) -> float | str:
-            return "" if value is None else value * scale
-
-        headers = {
-            "rpm": [opt(h.remaining_requests, 1), opt(h.limit_requests, 1 / 60_000),
-                    opt(h.reset_requests_s, 1000)],
-            "tpm": [opt(h.remaining_tokens, 1), opt(h.limit_tokens, 1 / 60_000),
-                    opt(h.reset_tokens_s, 1000)],
+    def _call_finish(self, holders: list[str], event: str, pause_s: float, h: RateLimitHeaders,
+                     refund: float) -> None:
+        told = {
+            "rpm": (h.remaining_requests, h.limit_requests, h.reset_requests_s, 0.0),
+            "tpm": (h.remaining_tokens, h.limit_tokens, h.reset_tokens_s, refund),
         }
-        self._run("feedback", event, self.max_concurrent, self.aimd_cooldown_s * 1000,
-                  pause_s * 1000, *_limit_args(self._limits, headers))
+        limits = []
+        for lim in self._limits:
+            remaining, per_min, reset_s, lim_refund = told[lim["name"]]
+            entry = dict(lim, refund=lim_refund)
+            for name, value in (("remaining", remaining), ("reset_ms", _scaled(reset_s, 1000)),
+                                ("limit_rate", _scaled(per_min, 1 / 60_000))):
+                if value is not None:
+                    entry[name] = value
+            limits.append(entry)
+        self._run("finish", holders=holders, event=event, max_concurrent=self.max_concurrent,
+                  aimd_cooldown_ms=self.aimd_cooldown_s * 1000, pause_ms=pause_s * 1000,
+                  limits=limits)
 
-    def _run(self, script: str, *args: Any) -> Any:
-        keys = [self._keys[i] for i in _SCRIPT_KEYS[script]]
-        return self._retry(self._scripts[script], keys=keys, args=list(args))
+    def _run(self, script: str, **args: Any) -> dict[str, Any]:
+        script_keys = [self._keys[name] for name in _SCRIPT_KEYS[script]]
+        reply = self._retry(self._scripts[script], keys=script_keys, args=[json.dumps(args)])
+        return json.loads(reply)
 
     def _retry(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         """Call Redis, waiting out an outage (restart, failover) for up to ``outage_wait_s``."""
@@ -254,25 +280,5 @@ class Limiter:
                 delay = min(delay * 2, 1.0)
 
 
-def _parse_status(backend: str, max_concurrent: int, result: Sequence[Any]) -> dict[str, Any]:
-    values = [_text(v) for v in result]
-    leases, adaptive, recent_429s, paused_ms = values[:4]
-    limits = {}
-    for i in range(4, len(values), 6):
-        name, level, cap, rate, cfg_rate, reset_ms = values[i:i + 6]
-        limits[name] = {
-            "level": float(level),
-            "capacity": float(cap),
-            "per_minute": float(rate) * 60_000,
-            "configured_per_minute": float(cfg_rate) * 60_000,
-            "reset_in_s": float(reset_ms) / 1000 if reset_ms else None,
-        }
-    return {
-        "backend": backend,
-        "limits": limits,
-        "leases_in_use": int(leases),
-        "max_concurrent": max_concurrent or None,
-        "adaptive_limit": int(float(adaptive)) if adaptive else None,
-        "recent_429s": int(recent_429s),
-        "paused_for_s": float(paused_ms) / 1000,
-    }
+def _scaled(value: float | None, scale: float) -> float | None:
+    return None if value is None else value * scale

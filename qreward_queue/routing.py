@@ -1,10 +1,14 @@
-"""Plan a batch over a route: which backend scores which samples, in chunks of what size."""
+"""Plan a batch over a route: which backend scores which samples, in chunks of what size.
+
+Pure functions: rates and queue depths come in as arguments (`capacity.of` reads them).
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from .config import Config, Route
+from .config import Backend, Config, Route
 
 
 @dataclass(frozen=True)
@@ -37,13 +41,37 @@ def spread(
     return dealt
 
 
+MAX_CHUNK = 64  # samples per judge task: big enough to amortise a task, small enough to spread
+CHUNK_SECONDS = 2.0  # at the backend's rate a chunk takes at most this long (priority switches)
+CHUNKS_PER_BATCH = 16  # a batch is cut into at least this many chunks per backend, when it can
+
+
+def chunk_size(backend: Backend, n: int) -> int:
+    """Samples per task for `n` samples on `backend`: its `chunk_size` when set, else sized so
+    that a chunk is about one round of the worker's calls in flight (`pool.calls`) and at most
+    CHUNK_SECONDS of the backend's rate: a task is then short, so a `val` batch never waits
+    long for a worker slot, and the batch still splits over every pool.
+
+    >>> chunk_size(Backend("j", "judge"), 4096), chunk_size(Backend("j", "judge"), 40)
+    (32, 3)
+    """
+    if backend.chunk_size:
+        return backend.chunk_size
+    size = min(MAX_CHUNK, backend.pool.calls, math.ceil(n / CHUNKS_PER_BATCH))
+    if backend.limits.rpm:
+        size = min(size, math.ceil(backend.limits.rpm / 60 * CHUNK_SECONDS))
+    if backend.kind == "reward_model":  # whole calls per task
+        size = backend.batch_size * max(1, size // backend.batch_size)
+    return max(1, size)
+
+
 def plan(
     config: Config, route: Route, indices: list[int], shares: list[float] | None = None
 ) -> list[Chunk]:
-    """Chunks of each backend's `chunk_size`, interleaved across backends."""
+    """Chunks of each backend's chunk size, interleaved across backends."""
     per_backend = []
     for name, mine in spread(indices, route, shares).items():
-        size = config.backend(name).chunk_size
+        size = chunk_size(config.backend(name), len(mine))
         per_backend.append([Chunk(name, mine[i : i + size]) for i in range(0, len(mine), size)])
     chunks = []
     for row in range(max((len(c) for c in per_backend), default=0)):
@@ -72,37 +100,12 @@ def water_fill(n: int, rates: list[float], queued: list[float]) -> list[float]:
     return shares
 
 
-def backend_rate(app, name: str) -> float:
-    """Requests per minute the backend can take now: the limiter's learned or configured rate,
-    else its concurrency as a proxy; 0 while its circuit breaker is open."""
-    if app.breaker(name).is_open():
-        return 0.0
-    backend = app.backend_config(name)
-    limiter = app.limiter(name)
-    rpm = limiter.status()["limits"].get("rpm") if limiter else None
-    if rpm:
-        return rpm["per_minute"]
-    return 60.0 * (backend.limits.max_concurrent or backend.pool.concurrency)
+def failover_target(candidates: list[str], rates: list[float], queued: list[float],
+                    n: int) -> str:
+    """The sibling that would finish `n` more samples soonest (open circuits, rate 0, last).
 
-
-def queued_samples(app, name: str) -> float:
-    """Samples waiting in the backend's queue (tasks x chunk size)."""
-    from .status import queue_depth
-
-    backend = app.backend_config(name)
-    return queue_depth(app.store, backend.queue) * backend.chunk_size
-
-
-def route_shares(app, route: Route, n: int) -> list[float]:
-    """How many of `n` new samples each backend of `route` should get (weight x free capacity)."""
-    if len(route.backends) == 1:
-        return [1.0]
-    rates = [w * backend_rate(app, b) for w, b in zip(route.weights, route.backends, strict=True)]
-    return water_fill(n, rates, [queued_samples(app, b) for b in route.backends])
-
-
-def failover_target(app, candidates: list[str], n: int) -> str:
-    """The sibling that would finish `n` more samples soonest (open circuits last)."""
-    rates = [backend_rate(app, b) for b in candidates]
-    shares = water_fill(n, rates, [queued_samples(app, b) for b in candidates])
+    >>> failover_target(["a", "b"], [10, 10], [50, 0], 5)
+    'b'
+    """
+    shares = water_fill(n, rates, queued)
     return candidates[max(range(len(candidates)), key=shares.__getitem__)]

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
-from .errors import InvalidSamples
+from .errors import InvalidSamples, ScoringError
 
-Status = Literal["ok", "cached", "fallback", "timeout", "error"]
-STATUSES: tuple[str, ...] = ("ok", "cached", "fallback", "timeout", "error")
+Status = Literal["ok", "cached", "timeout", "error"]
+STATUSES: tuple[str, ...] = ("ok", "cached", "timeout", "error")
 DEFAULT_MAX_SAMPLE_BYTES = 1 << 20
 
 _REQUIRED_TEXT = ("prompt", "response")
@@ -20,9 +20,13 @@ _KNOWN_KEYS = frozenset({*_REQUIRED_TEXT, *_OPTIONAL_TEXT, "extra", "id"})
 
 @dataclass
 class Outcome:
-    """What became of one sample. A fallback score always comes with its status and reason."""
+    """What became of one sample. A fallback score always comes with its status and reason.
 
-    score: float
+    Workers leave `score` None on failures; `placed` gives every outcome its sample's id and
+    failures the configured fallback score, in one place, as the client hands them over.
+    """
+
+    score: float | None
     status: Status = "ok"
     backend: str | None = None
     attempts: int = 0
@@ -37,6 +41,18 @@ class Outcome:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Outcome:
         return cls(**{k: data.get(k) for k in cls.__dataclass_fields__ if k in data})
+
+    @classmethod
+    def failed(cls, error: ScoringError, backend: str | None = None, attempts: int = 0,
+               latency_ms: float = 0.0, note: str = "") -> Outcome:
+        """The outcome an error stands for: its status (`error`, `timeout`), message and detail."""
+        return cls(None, error.status, backend, attempts, latency_ms,  # type: ignore[arg-type]
+                   error=f"{error}{note}", detail=error.detail)
+
+    def placed(self, sample_id: Any, fallback_score: float) -> Outcome:
+        """This outcome as the trainer gets it: the sample's id, the fallback score on failure."""
+        return replace(self, id=sample_id,
+                       score=self.score if self.scored else fallback_score)
 
     @property
     def scored(self) -> bool:

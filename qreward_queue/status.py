@@ -2,19 +2,9 @@
 
 from __future__ import annotations
 
-import redis
-
 from .app import QrqCelery
+from .capacity import queue_depth
 from .config import Config
-
-
-def queue_depth(store: redis.Redis, queue: str) -> int:
-    """Messages waiting in `queue` over all priority levels (kombu keeps one list per level)."""
-    keys = [f"qrq:{queue}"] + [f"qrq:{queue}:{p}" for p in range(1, 10)]
-    with store.pipeline(transaction=False) as pipe:
-        for key in keys:
-            pipe.llen(key)
-        return sum(pipe.execute())
 
 
 def backend_rows(app: QrqCelery) -> list[dict]:

@@ -1,24 +1,41 @@
 """The worker side of the data path: score one chunk of samples on one backend.
 
-score_chunk -> for each call of the chunk: breaker.allow -> limiter.acquire -> backend.call
+score_chunk -> ChunkRunner: the chunk's calls run concurrently on the process's call pool,
+    each under the breaker and the global limiter (grants booked in bulk; after the call one
+    round trip settles tokens, learns from the reply and releases the lease)
     429               -> the limiter pauses everyone for Retry-After; the call is tried again
-    timeout, 5xx, ... -> Celery retry of what is left, with backoff; after `attempts`,
-                         Celery retry onto a sibling backend's queue (failover)
+    timeout, 5xx, ... -> left for `decide`
     4xx, bad verdict  -> an explicit `error` outcome at once (a batch call is split first)
+-> decide (pure): what becomes of what is left: wait out a long limiter wait, retry here after
+   a backoff, fail over onto a sibling backend's queue, or give up with explicit outcomes
 """
 
 from __future__ import annotations
 
+import os
 import random
+import threading
 import time
-from contextlib import nullcontext
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from functools import cache
+from typing import Literal
 
+from . import capacity
 from .backends import BackendClient, Call, make_backend
 from .breaker import CircuitBreaker
 from .config import Backend, Retry
-from .errors import PermanentError, RateLimited, RetryableError, ScoringError, TransientError
-from .limiter import Limiter, LimiterBusy
+from .errors import (
+    DeadlineExceeded,
+    LimiterBusy,
+    PermanentError,
+    RateLimited,
+    RetryableError,
+    ScoringError,
+    TransientError,
+)
+from .limiter import Grant, Limiter
 from .routing import failover_target
 from .samples import Outcome
 
@@ -26,11 +43,51 @@ TASK_NAME = "qrq.score_chunk"
 MAX_THROTTLED_CALLS = 20
 MAX_LIMITER_WAIT_S = 30.0
 MAX_TASK_RETRIES = 100
+RETURN_MARGIN_S = 0.5  # a chunk returns what it has this long before the batch deadline
 
 
 @cache
 def _client(config: Backend) -> BackendClient:
     return make_backend(config)
+
+
+class CallPool:
+    """The calls in flight to one backend from this process, shared by all its running tasks:
+    `slots` bounds them (a slot is taken before a grant is booked, so no lease waits idle)."""
+
+    def __init__(self, size: int):
+        self.slots = threading.BoundedSemaphore(size)
+        self.executor = ThreadPoolExecutor(size, thread_name_prefix="qrq-call")
+
+    def take(self, wanted: int) -> int:
+        """Block for one slot, then take up to `wanted` in all without waiting."""
+        self.slots.acquire()
+        taken = 1
+        while taken < wanted and self.slots.acquire(blocking=False):
+            taken += 1
+        return taken
+
+    def give(self, count: int = 1) -> None:
+        for _ in range(count):
+            self.slots.release()
+
+
+_pools: dict[str, CallPool] = {}
+_pools_lock = threading.Lock()
+os.register_at_fork(after_in_child=_pools.clear)  # a pool child builds its own threads
+
+
+def call_pool(config: Backend) -> CallPool:
+    with _pools_lock:
+        if config.name not in _pools:
+            _pools[config.name] = CallPool(config.pool.calls)
+        return _pools[config.name]
+
+
+def time_left_s(deadline: float | None) -> float | None:
+    """Seconds a task may still work on its batch (None: no deadline); it stops
+    RETURN_MARGIN_S early so that its result reaches the client by the deadline."""
+    return None if deadline is None else max(0.0, deadline - RETURN_MARGIN_S - time.time())
 
 
 def backoff_s(policy: Retry, attempt: int) -> float:
@@ -40,10 +97,12 @@ def backoff_s(policy: Retry, attempt: int) -> float:
 
 
 class ChunkRunner:
-    """Makes each call of one chunk once, under the breaker and the global limiter.
+    """Makes each call of one chunk once, concurrently, under the breaker and the limiter.
 
-    Afterwards `outcomes` holds an Outcome per sample (None: not tried because the limiter
-    asked for a long wait, see `busy_s`) and `retryable` the positions worth another try.
+    Afterwards `outcomes` holds an Outcome per sample (None: not tried, because the limiter
+    asked for a long wait, see `busy_s`, or not done just before the batch deadline, so that
+    the results of its chunk-mates still reach the client in time) and `retryable` the
+    positions worth another try.
     """
 
     def __init__(
@@ -53,9 +112,11 @@ class ChunkRunner:
         breaker: CircuitBreaker | None,
         attempt: int,
         may_refuse: bool = True,
+        deadline: float | None = None,
     ):
         self.config, self.limiter, self.breaker, self.attempt = config, limiter, breaker, attempt
         self.may_refuse = may_refuse  # an open circuit refuses calls only while siblings remain
+        self.deadline = deadline
         self.client = _client(config)
         self.busy_s: float | None = None
         self.outcomes: list[Outcome | None] = []
@@ -63,22 +124,59 @@ class ChunkRunner:
 
     def run(self, samples: list[dict]) -> ChunkRunner:
         self.outcomes = [None] * len(samples)
-        for positions in self.client.split(samples):
+        calls = deque(self.client.split(samples))
+        if len(calls) == 1:  # one call (a function chunk, one batch): no thread hop
+            self._run_call(samples, calls[0], None)
+            return self
+        pool = call_pool(self.config)
+        running: list[Future] = []
+        while calls and self.busy_s is None and not self._past_deadline():
+            slots = pool.take(len(calls))
+            tokens = max(self.client.estimate_tokens([samples[i] for i in calls[k]])
+                         for k in range(slots)) if self.limiter else 0
             try:
-                self._run_call(samples, positions)
+                grants = self._grants(slots, tokens)
             except LimiterBusy as busy:
                 self.busy_s = busy.wait_s
+                pool.give(slots)
                 break
+            pool.give(slots - len(grants))
+            for grant in grants:
+                running.append(
+                    pool.executor.submit(self._slot, pool, samples, calls.popleft(), grant)
+                )
+        finished, _ = wait(running, timeout=time_left_s(self.deadline))
+        for future in finished:  # calls still running past that are left to `decide`
+            future.result()  # a bug in a call surfaces here rather than vanishing
         return self
 
-    def _run_call(self, samples: list[dict], positions: list[int]) -> None:
+    def _grants(self, count: int, tokens: float) -> list[Grant | None]:
+        if self.limiter is None:
+            return [None] * count
+        return list(self.limiter.reserve(count, tokens, MAX_LIMITER_WAIT_S))
+
+    def _slot(self, pool: CallPool, samples: list[dict], positions: list[int],
+              grant: Grant | None) -> None:
+        try:
+            self._run_call(samples, positions, grant)
+        finally:
+            pool.give()
+
+    def _past_deadline(self) -> bool:
+        return time_left_s(self.deadline) == 0.0
+
+    def _run_call(self, samples: list[dict], positions: list[int], grant: Grant | None) -> None:
         batch = [samples[i] for i in positions]
         started, throttled = time.monotonic(), 0
         while True:
             try:
-                call = self._guarded_call(batch)
+                call = self._guarded_call(batch, grant)
+            except LimiterBusy as busy:  # a retry could not start soon: leave it for later
+                self.busy_s = busy.wait_s
+                return
             except RateLimited as exc:  # the limiter now holds everyone back; go again
                 throttled += 1
+                grant = None
                 if throttled < MAX_THROTTLED_CALLS:
                     if self.limiter is None:  # nobody else waits for us: honour Retry-After
                         time.sleep(exc.retry_after_s or backoff_s(self.config.retry, throttled))
@@ -87,8 +185,8 @@ class ChunkRunner:
             except PermanentError as exc:
                 if len(positions) > 1:  # isolate the bad item: split, then each half on its own
                     half = len(positions) // 2
-                    self._run_call(samples, positions[:half])
-                    self._run_call(samples, positions[half:])
+                    self._run_call(samples, positions[:half], None)
+                    self._run_call(samples, positions[half:], None)
                     return
                 result = exc
             except RetryableError as exc:
@@ -98,61 +196,110 @@ class ChunkRunner:
             break
         latency_ms = round((time.monotonic() - started) * 1000, 1)
         attempts = self.attempt + throttled
+        name = self.config.name
         if isinstance(result, ScoringError):
             for i in positions:
-                self.outcomes[i] = self._error(result, attempts, latency_ms, result.detail)
+                self.outcomes[i] = Outcome.failed(result, name, attempts, latency_ms)
                 if isinstance(result, RetryableError):
                     self.retryable.add(i)
             return
         details = result.details or [None] * len(positions)
         for i, score, detail in zip(positions, result.scores, details, strict=True):
             self.outcomes[i] = (
-                self._error(score, attempts, latency_ms, score.detail)
+                Outcome.failed(score, name, attempts, latency_ms)
                 if isinstance(score, ScoringError)
-                else Outcome(score, "ok", self.config.name, attempts, latency_ms, detail=detail)
+                else Outcome(score, "ok", name, attempts, latency_ms, detail=detail)
             )
 
-    def _guarded_call(self, batch: list[dict]) -> Call:
+    def _guarded_call(self, batch: list[dict], grant: Grant | None) -> Call:
         if self.may_refuse and self.breaker is not None and not self.breaker.allow():
+            if grant is not None:
+                grant.finish()
             raise TransientError(f"circuit open: backend {self.config.name!r} is cooling down")
-        guard = (
-            self.limiter.acquire(
-                tokens=self.client.estimate_tokens(batch), max_wait_s=MAX_LIMITER_WAIT_S
-            )
-            if self.limiter
-            else nullcontext()
-        )
+        if grant is None and self.limiter is not None:
+            try:
+                (grant,) = self.limiter.reserve(
+                    1, self.client.estimate_tokens(batch), MAX_LIMITER_WAIT_S
+                )
+            except LimiterBusy:  # the call never happens: a half-open probe goes to someone else
+                if self.breaker is not None:
+                    self.breaker.release_probe()
+                raise
         try:
-            with guard as grant:
-                return self._call(batch, grant)
-        except LimiterBusy:  # the call never happened: a half-open probe goes to someone else
-            if self.breaker is not None:
-                self.breaker.release_probe()
-            raise
-
-    def _call(self, batch: list[dict], grant) -> Call:
-        try:
+            if grant is not None:
+                grant.wait()
             call = self.client.call(batch)
         except ScoringError as exc:
-            self._learn(
-                exc.status_code, exc.headers, exc.timed_out, failed=isinstance(exc, TransientError)
-            )
+            self._learn(grant, exc.status_code, exc.headers, exc.timed_out,
+                        failed=isinstance(exc, TransientError))
             raise
-        self._learn(call.status_code, call.headers, False, failed=False)
+        except BaseException:
+            if grant is not None:
+                grant.finish()
+            raise
         if grant is not None and call.tokens is not None:
             grant.settle(actual_tokens=call.tokens)
+        self._learn(grant, call.status_code, call.headers, False, failed=False)
         return call
 
-    def _learn(self, status_code, headers, timed_out: bool, failed: bool) -> None:
-        if self.limiter is not None:
+    def _learn(self, grant: Grant | None, status_code, headers, timed_out: bool,
+               failed: bool) -> None:
+        if grant is not None:
+            grant.finish(status_code, headers, timed_out)
+        elif self.limiter is not None:
             self.limiter.feedback(status_code, headers, timed_out=timed_out)
         if self.breaker is not None:  # a 429 counts as alive: flow control handles it
             self.breaker.failure() if failed else self.breaker.success()
 
-    def _error(self, error: ScoringError, attempts: int, latency_ms: float, detail) -> Outcome:
-        return Outcome(
-            0.0, "error", self.config.name, attempts, latency_ms, error=str(error), detail=detail
+
+@dataclass(frozen=True)
+class Next:
+    """What `score_chunk` does with the samples left after a run."""
+
+    action: Literal["done", "wait", "retry", "failover", "give_up"]
+    countdown: float = 0.0
+    why: str = ""
+
+
+def decide(
+    left: int,
+    attempt: int,
+    policy: Retry,
+    time_left: float | None,
+    busy_s: float | None,
+    has_siblings: bool,
+    circuit_open: bool,
+) -> Next:
+    """The retry/failover decision: pure, so every branch is unit-tested on its own.
+
+    `time_left`: seconds until the task must return (None: no deadline); a wait or backoff
+    that would end after it gives up instead, so finished samples are never held back.
+
+    >>> decide(0, 1, Retry(), 10.0, None, False, False).action
+    'done'
+    >>> decide(3, 4, Retry(attempts=4), 10.0, None, True, False).action
+    'failover'
+    """
+    def fits(seconds: float) -> bool:
+        return time_left is None or seconds < time_left
+
+    if left == 0:
+        return Next("done")
+    if not fits(0.0):
+        return Next("give_up", why="the batch deadline passed")
+    if busy_s is not None:  # a long limiter wait: free the slot meanwhile
+        return Next("wait", busy_s) if fits(busy_s) else Next(
+            "give_up", why=f"the limiter's wait ({busy_s:.1f} s) ends after the batch deadline"
         )
+    if attempt < policy.attempts and not (has_siblings and circuit_open):
+        backoff = backoff_s(policy, attempt)
+        if fits(backoff):
+            return Next("retry", backoff)
+    if has_siblings:
+        return Next("failover")
+    if attempt < policy.attempts:
+        return Next("give_up", why="the batch deadline passed")
+    return Next("give_up", why="no sibling backend left")
 
 
 def score_chunk(
@@ -172,54 +319,58 @@ def score_chunk(
     """
     app = self.app
     config = app.backend_config(backend)
-    policy = config.retry
     done = list(done) if done else [None] * len(samples)
     todo = [i for i, o in enumerate(done) if o is None]
     siblings = [b for b in (route or []) if b != backend and b not in (tried or [])]
     breaker = app.breaker(backend) if len(route or ()) > 1 else None
-    runner = ChunkRunner(config, app.limiter(backend), breaker, attempt, bool(siblings))
-    runner.run([samples[i] for i in todo])
-    retry_later = set()
-    for k, (pos, outcome) in enumerate(zip(todo, runner.outcomes, strict=True)):
+    runner = ChunkRunner(
+        config, app.limiter(backend), breaker, attempt, bool(siblings), deadline
+    ).run([samples[i] for i in todo])
+    left: dict[int, Outcome | None] = {}
+    for k, pos in enumerate(todo):
+        outcome = runner.outcomes[k]
         if outcome is None or k in runner.retryable:
-            retry_later.add(pos)
-            continue
-        done[pos] = _settled(outcome, samples[pos], app.qrq_config.fallback_score)
-    if not retry_later:
+            left[pos] = outcome
+        else:
+            done[pos] = outcome.to_dict()
+    nxt = decide(
+        len(left),
+        attempt,
+        config.retry,
+        time_left_s(deadline),
+        runner.busy_s,
+        bool(siblings),
+        bool(siblings) and breaker is not None and breaker.is_open(),
+    )
+    if nxt.action == "done":
         return done
     kwargs = dict(self.request.kwargs, done=done)
-    time_left = deadline is None or time.time() < deadline
-    if runner.busy_s is not None and time_left:  # a long limiter wait: free the slot meanwhile
-        raise self.retry(kwargs=kwargs, countdown=runner.busy_s)
-    circuit_open = bool(siblings) and breaker is not None and breaker.is_open()
-    if attempt < policy.attempts and time_left and not circuit_open:
-        raise self.retry(
-            kwargs=dict(kwargs, attempt=attempt + 1), countdown=backoff_s(policy, attempt)
-        )
-    if siblings and time_left:
-        target = failover_target(app, siblings, len(retry_later))
+    if nxt.action in ("wait", "retry"):
+        if nxt.action == "retry":
+            kwargs["attempt"] = attempt + 1
+        raise self.retry(kwargs=kwargs, countdown=nxt.countdown, **summary(backend, samples))
+    if nxt.action == "failover":
+        target = failover_target(siblings, *capacity.of(app, siblings), len(left))
         raise self.retry(
             kwargs=dict(kwargs, backend=target, attempt=1, tried=[*(tried or []), backend]),
             queue=app.backend_config(target).queue,
             countdown=0,
+            **summary(target, samples),
         )
-    why = "the batch deadline passed" if not time_left else "no sibling backend left"
-    note = f" (gave up after {attempt} attempt(s) on {backend!r}; {why})"
-    for k, pos in enumerate(todo):
-        if pos in retry_later:
-            outcome = runner.outcomes[k] or Outcome(
-                0.0, "error", backend, attempt, error="not tried before the deadline"
-            )
-            done[pos] = _settled(outcome, samples[pos], app.qrq_config.fallback_score, note)
+    note = f" (gave up after {attempt} attempt(s) on {backend!r}; {nxt.why})"
+    for pos, outcome in left.items():
+        done[pos] = (
+            outcome
+            if outcome is not None
+            else Outcome.failed(DeadlineExceeded("not tried before the deadline"), backend, attempt)
+        ).to_dict()
+        done[pos]["error"] += note
     return done
 
 
-def _settled(outcome: Outcome, sample: dict, fallback: float, note: str = "") -> dict:
-    """The outcome as it travels back: the sample's id, and the fallback score on errors."""
-    outcome.id = sample.get("id")
-    if outcome.status == "error":
-        outcome.score, outcome.error = fallback, f"{outcome.error}{note}"
-    return outcome.to_dict()
+def summary(backend: str, samples: list) -> dict[str, str]:
+    """How a task's arguments show in Flower and logs: never the prompts themselves."""
+    return {"argsrepr": f"({backend!r}, <{len(samples)} samples>)", "kwargsrepr": "{}"}
 
 
 def register(app) -> None:

@@ -37,8 +37,11 @@ def toml_tables(tables: dict[str, dict]) -> str:
     return "\n".join(out) + "\n"
 
 
-def judge_backend(url: str, *, rpm=0, max_concurrent=32, concurrency=8, **backend) -> dict:
-    """A judge backend definition pointing at a mock judge."""
+def judge_backend(
+    url: str, *, rpm=0, max_concurrent=32, concurrency=8, calls=32, **backend
+) -> dict:
+    """A judge backend definition pointing at a mock judge: `concurrency` chunk tasks and
+    `calls` backend calls at once per worker process."""
     return {
         "backend": {
             "kind": "judge",
@@ -48,7 +51,7 @@ def judge_backend(url: str, *, rpm=0, max_concurrent=32, concurrency=8, **backen
             **backend,
         },
         "limits": {"rpm": rpm, "max_concurrent": max_concurrent},
-        "pool": {"type": "threads", "concurrency": concurrency},
+        "pool": {"type": "threads", "concurrency": concurrency, "calls": calls},
         "retry": {"attempts": 3, "backoff_base_s": 0.1, "backoff_cap_s": 1.0},
     }
 

@@ -18,9 +18,10 @@ from qreward_queue import tasks
 from qreward_queue.app import QrqCelery
 from qreward_queue.backends import Call
 from qreward_queue.breaker import CircuitBreaker
+from qreward_queue.capacity import route_shares
 from qreward_queue.config import Backend, Config, Limits, Pool, Retry, Route
 from qreward_queue.errors import RateLimited
-from qreward_queue.routing import Chunk, plan, route_shares, spread, water_fill
+from qreward_queue.routing import Chunk, plan, spread, water_fill
 
 COOLDOWN_S = 0.5  # long enough that a loaded machine does not see it lapse mid-check
 

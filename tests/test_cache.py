@@ -83,7 +83,7 @@ def test_second_submission_is_served_from_cache(tmp_path, redis_url, judge, stac
     assert [o.status for o in first] == ["ok"] * 100
     assert [o.score for o in first] == [expected(app, "j", s) for s in samples]
     requests, results = judge.stats()["requests"], task_results(redis_url)
-    assert requests == 100 and results == 100
+    assert requests == 100 and results == 0  # the client deletes the results it collected
     received = w.log.read_text().count("] received")
 
     # When the same samples are submitted again (under new ids)
@@ -199,11 +199,12 @@ def test_worker_reuses_http_connections(tmp_path, redis_url, judge, stack):
     ).outcomes(timeout=30)
     assert [o.status for o in outcomes] == ["ok"] * 200
     assert [o.score for o in outcomes] == [expected(app, "j", s) for s in samples]
-    # Then 200 requests went over at most 2 connections per thread (keep-alive pools)
+    # Then 200 requests went over at most one connection per call slot (keep-alive pool)
     stats = judge.stats()
     assert stats["requests"] == 200
     opened_by_worker = stats["connections_opened"] - 1  # this stats() request opened one
-    assert 1 <= opened_by_worker <= 16, stats
+    calls = app.backend_config("j").pool.calls
+    assert 1 <= opened_by_worker <= calls < 200, stats
 
 
 def test_reward_model_scores_in_batches_of_batch_size(tmp_path, redis_url, judge, stack):

@@ -68,7 +68,7 @@ def test_shipped_qrq_toml_and_workers_load():
     assert mock_a.pool.rate_limit == "120/s"
     assert mock_a.source.endswith("mock-a.toml")
     rm = config.backends["mock-rm"]
-    assert (rm.kind, rm.batch_size, rm.chunk_size) == ("reward_model", 16, 16)
+    assert (rm.kind, rm.batch_size, rm.chunk_size) == ("reward_model", 16, None)
     exact = config.backends["exact-match"]
     assert (exact.kind, exact.pool.type, exact.chunk_size) == ("function", "prefork", 64)
 
@@ -375,11 +375,13 @@ def test_backend_invalid_toml_and_missing_file(tmp_path):
 
 def test_backend_defaults_and_explicit_values(tmp_path):
     judge = load_backend(write_backend(tmp_path, "j", JUDGE))
-    assert (judge.name, judge.chunk_size, judge.pool.type, judge.pool.concurrency) == (
+    pool = judge.pool
+    assert (judge.name, judge.chunk_size, pool.type, pool.concurrency, pool.calls) == (
         "j",
-        1,
+        None,  # sized by the planner
         "threads",
-        16,
+        2,
+        32,
     )
     assert judge.limits.rpm is None and judge.limits.max_concurrent is None
     rm = load_backend(
@@ -397,7 +399,7 @@ def test_backend_defaults_and_explicit_values(tmp_path):
             """,
         )
     )
-    assert (rm.batch_size, rm.chunk_size) == (32, 32)
+    assert (rm.batch_size, rm.chunk_size) == (32, None)
     assert rm.limits.rpm is None and rm.limits.max_concurrent is None  # 0 means no limit
     fn = load_backend(
         write_backend(

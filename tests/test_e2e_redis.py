@@ -19,6 +19,7 @@ from support import (
     judge_backend,
     redis_contents,
     reward_model_backend,
+    tasks_received,
     wait_for,
     with_message_bodies,
     write_config,
@@ -292,8 +293,9 @@ def test_function_backend_scores_chunks_and_isolates_bad_samples(tmp_path, redis
         # When 300 samples are scored (10 tasks)
         batch = qreward_queue.submit_batch(samples, route="em", app=app, deadline_s=90)
         outcomes = batch.outcomes(timeout=60)
-        results = list(redis.Redis.from_url(redis_url).scan_iter("qrq:celery-task-meta-*"))
-        assert len(results) == 10  # one task per chunk of 32, not one per sample
+        assert tasks_received(worker) == 10  # one task per chunk of 32, not one per sample
+        # and the client deleted the results it collected
+        assert not list(redis.Redis.from_url(redis_url).scan_iter("qrq:celery-task-meta-*"))
         # Then bad samples are errors that say what is wrong, and the rest are scored
         for i, (sample, outcome) in enumerate(zip(samples, outcomes, strict=True)):
             if i % 10 == 3:

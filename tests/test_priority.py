@@ -1,8 +1,9 @@
 """Validation overtakes a training backlog (DESIGN.md section 5), on real Redis and a real worker.
 
-One worker (threads, concurrency 4) scores on a slow mock judge (100 ms per call, no limits),
-one sample per task. A backlog of 600 training samples is queued; once about 20 are done, a
-16-sample validation batch is submitted. It must finish while at least 80% of the backlog is
+One worker (2 chunk tasks and 4 calls at once) scores on a slow mock judge (100 ms per call, no
+limits); the planner cuts the backlog into chunks of 4 samples (one round of the worker's
+calls). A backlog of 600 training samples is queued; once about 20 are done, a 16-sample
+validation batch is submitted. It must finish while at least 80% of the backlog is
 still pending. A negative control sends the same batch at the training priority and shows
 that it then waits behind the backlog, so the test measures priority and nothing else.
 
@@ -30,7 +31,7 @@ BUDGET = BACKLOG // 5  # validation must finish before 20% of the backlog is don
 def race(tmp_path, redis_url, val_priority: str) -> dict:
     """Run the scenario; report who crossed the line first and the backlog count then."""
     with spawn(MockJudgeSettings(latency_ms=100, latency_cv=0)) as judge:
-        backend = judge_backend(judge.url, max_concurrent=0, concurrency=4)  # no limiter
+        backend = judge_backend(judge.url, max_concurrent=0, concurrency=2, calls=4)  # no limiter
         config_path = write_config(tmp_path, {"slow": backend}, redis_url=redis_url)
         app = qreward_queue.configure(qreward_queue.load_config(config_path))
         backlog_samples = [

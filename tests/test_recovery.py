@@ -82,7 +82,7 @@ def test_vanished_worker_work_is_resubmitted_long_before_visibility_timeout(
     judge = stack.enter_context(spawn(MockJudgeSettings(latency_ms=300, latency_cv=0.2)))
     config_path = write_config(
         tmp_path,
-        {"j": judge_backend(judge.url, concurrency=8)},
+        {"j": judge_backend(judge.url, concurrency=4, calls=8, chunk_size=4)},
         redis_url=redis_url,
         fallback_score=FALLBACK,
         visibility_timeout_s=600,
@@ -97,7 +97,7 @@ def test_vanished_worker_work_is_resubmitted_long_before_visibility_timeout(
     batch = qreward_queue.submit_batch(samples, route="j", app=app, deadline_s=300)
     # When one worker is SIGKILLed mid-batch, with tasks in its hands
     wait_for(lambda: batch.completed >= 20, timeout_s=30, what="20 samples")
-    wait_for(lambda: tasks_received(doomed) >= 8, timeout_s=10, what="the doomed worker busy")
+    wait_for(lambda: tasks_received(doomed) >= 4, timeout_s=10, what="the doomed worker busy")
     doomed.kill()
     killed_at = time.monotonic()
     assert batch.completed < 100, "the batch finished before the worker could be killed"

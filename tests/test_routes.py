@@ -129,7 +129,8 @@ def test_queued_backlog_steers_new_work_to_the_idle_backend(tmp_path, redis_url,
     )
     config_path = write_config(
         tmp_path,
-        {"a": judge_backend(judge_a.url, rpm=1200), "b": judge_backend(judge_b.url, rpm=1200)},
+        {"a": judge_backend(judge_a.url, rpm=1200, chunk_size=1),
+         "b": judge_backend(judge_b.url, rpm=1200, chunk_size=1)},  # one task per sample
         redis_url=redis_url, routes={"r": ["a", "b"]}, fallback_score=FALLBACK,
     )
     app = make_app(config_path)
@@ -366,7 +367,7 @@ def test_no_sibling_left_gives_explicit_errors(tmp_path, redis_url, stack):
     for outcome in batch.outcomes():
         assert outcome.status == "error", outcome
         assert outcome.backend == "solo" and outcome.attempts == 2, outcome
-        assert "connection failed" in outcome.error, outcome
+        assert "connection to http://127.0.0.1:" in outcome.error, outcome
         assert "no sibling backend left" in outcome.error, outcome
 
 
@@ -421,20 +422,17 @@ def test_deadline_returns_timeouts_and_late_results_do_not_leak(tmp_path, redis_
     # Then its scores are its own samples', by the rule
     assert_all_ok(app, more, outcomes)
 
-    # When the stuck calls finally answer (late results of the first batch land in Redis)
+    # When the stuck calls finally answer (their chunks already returned them as timeouts)
     wait_for(
         lambda: judge.stats()["accepted"] == 20 + len(more) + 3,
         timeout_s=HANG_S + 10,
         what="the hung calls to finish",
     )
+    # Then no result lingers in Redis: collected ones were deleted, late answers store nothing
     client = redis.Redis.from_url(redis_url)
-    wait_for(
-        lambda: sum(1 for _ in client.scan_iter("qrq:celery-task-meta-*")) == 23 + len(more),
-        timeout_s=10,
-        what="the late results to be stored",
-    )
+    assert not list(client.scan_iter("qrq:celery-task-meta-*"))
     client.close()
-    # Then the first batch's answer does not change, and a third batch is still right
+    # and the first batch's answer does not change, and a third batch is still right
     assert [o.to_dict() for o in batch.outcomes()] == first
     third = samples_for(10, "third") + ok_samples[:5]
     outcomes = qreward_queue.submit_batch(

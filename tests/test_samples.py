@@ -135,7 +135,7 @@ def test_unknown_keys_of_mixed_types_are_reported_not_crashed():
 def test_outcome_round_trips_through_json():
     outcome = Outcome(
         score=0.42,
-        status="fallback",
+        status="error",
         backend="judge-a",
         attempts=3,
         latency_ms=12.5,
@@ -166,3 +166,22 @@ def test_outcome_from_dict_ignores_extra_keys_and_defaults_missing_ones():
 @pytest.mark.parametrize("status", STATUSES)
 def test_only_backend_scores_count_as_scored(status):
     assert Outcome(0.0, status).scored == (status in ("ok", "cached"))
+
+
+def test_errors_map_one_to_one_onto_statuses_and_placed_applies_the_fallback():
+    from qreward_queue.errors import (
+        DeadlineExceeded,
+        LimiterBusy,
+        PermanentError,
+        RateLimited,
+        TransientError,
+    )
+
+    for error, status in [(PermanentError("bad"), "error"), (TransientError("5xx"), "error"),
+                          (RateLimited("429"), "error"), (LimiterBusy(3.0, "rpm"), "error"),
+                          (DeadlineExceeded("late"), "timeout")]:
+        failed = Outcome.failed(error, "judge", 2, note=" (gave up)")
+        assert (failed.status, failed.score, failed.error) == (status, None, f"{error} (gave up)")
+        placed = failed.placed("s7", fallback_score=-1.0)
+        assert (placed.id, placed.score, placed.status) == ("s7", -1.0, status)
+    assert Outcome(0.8, "ok").placed("s8", -1.0) == Outcome(0.8, "ok", id="s8")

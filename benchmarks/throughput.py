@@ -1,0 +1,173 @@
+"""Throughput against a fast judge: is the queue ever the bottleneck?
+
+    python benchmarks/throughput.py [--n 4096 8192] [--workers 2] [--json] [--redis-url URL]
+
+The mock judge has no binding limit (no rpm, no concurrency cap), 20 ms mean latency (lognormal,
+cv 0.5). For each batch size, in the same run:
+
+  async_semaphore  asyncio + aiohttp, Semaphore(64), one process (baselines.async_semaphore)
+  qrq              `submit_batch` through Redis to `--workers` real `qrq worker` processes,
+                   pooled as the README advises for a backend with no binding limit
+
+Printed per client: samples/s, the ratio to the asyncio client, CPU per 1,000 samples (the
+client process for asyncio; the worker processes for qrq, and the qrq client separately),
+p50/p99 per-sample latency from submit to outcome, and for qrq the time `submit_batch` took.
+Targets: qrq >= 1,000 samples/s and >= 0.8x the asyncio client, worker CPU <= 1.5 ms per
+request, submit_batch of 8,192 samples < 0.5 s. Never exits non-zero on a miss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import baselines
+from common import REDIS_URL, QrqWorker, flush_redis, percentile, write_config
+
+import qreward_queue
+from qreward_queue.demo import grpo_batch
+from qreward_queue.mock_judge import MockJudgeSettings, spawn, verdict
+
+LATENCY_MS = 20.0
+LATENCY_CV = 0.5
+SEMAPHORE = 64
+# README's pool sizing for a backend with no binding limit: per worker process, `calls`
+# concurrent calls (latency x target rate / workers, rounded up) and 2 chunk tasks at once.
+POOL = {"type": "threads", "concurrency": 2, "calls": 48}
+
+
+def samples_for(n: int) -> list[dict]:
+    base = grpo_batch(max(1, n // 8 + 1), 8)
+    return [dict(base[i % len(base)], id=i, response=f"{base[i % len(base)]['response']} #{i}")
+            for i in range(n)]
+
+
+def expected(backend, samples: list[dict]) -> list[float]:
+    from qreward_queue.backends.judge import JudgeBackend
+
+    judge = JudgeBackend(backend)
+    return [verdict(judge.render(s)) for s in samples]
+
+
+def cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def run_async(backend, samples, want) -> dict:
+    before, started = cpu_s(), time.perf_counter()
+    results = baselines.async_semaphore(backend, samples, SEMAPHORE)
+    wall = time.perf_counter() - started
+    cpu = cpu_s() - before
+    wrong = sum(abs(r.score - w) > 1e-9 or not r.ok for r, w in zip(results, want, strict=True))
+    lat = [r.latency_ms for r in results]
+    return {"client": "async_semaphore", "n": len(samples), "wall_s": wall,
+            "per_s": len(samples) / wall, "client_cpu_ms_per_1000": cpu / len(samples) * 1e6,
+            "worker_cpu_ms_per_request": None, "submit_s": None, "wrong": wrong,
+            "p50_ms": percentile(lat, 50), "p99_ms": percentile(lat, 99)}
+
+
+def run_qrq(app, workers, samples, want) -> dict:
+    worker_before = sum(w.cpu_s() for w in workers)
+    before, started = cpu_s(), time.perf_counter()
+    batch = qreward_queue.submit_batch(samples, route="judge", app=app)
+    submitted = time.perf_counter()
+    arrived: list[float | None] = [None] * len(samples)
+    while not batch.done():
+        now = time.perf_counter()
+        for i, o in enumerate(batch.partial()):
+            if o is not None and arrived[i] is None:
+                arrived[i] = now
+        time.sleep(0.005)
+    outcomes = batch.outcomes()
+    wall = time.perf_counter() - started
+    now = time.perf_counter()
+    lat = [((a or now) - started) * 1000 for a in arrived]
+    cpu = cpu_s() - before
+    worker_cpu = sum(w.cpu_s() for w in workers) - worker_before
+    wrong = sum(o.status != "ok" or abs(o.score - w) > 1e-9
+                for o, w in zip(outcomes, want, strict=True))
+    return {"client": "qrq", "n": len(samples), "wall_s": wall, "per_s": len(samples) / wall,
+            "client_cpu_ms_per_1000": cpu / len(samples) * 1e6,
+            "worker_cpu_ms_per_request": worker_cpu / len(samples) * 1000,
+            "submit_s": submitted - started, "wrong": wrong,
+            "p50_ms": percentile(lat, 50), "p99_ms": percentile(lat, 99)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--n", type=int, nargs="+", default=[4096, 8192])
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--redis-url", default=os.environ.get("QRQ_BENCH_REDIS_URL", REDIS_URL))
+    args = parser.parse_args(argv)
+    flush_redis(args.redis_url)
+    settings = MockJudgeSettings(latency_ms=LATENCY_MS, latency_cv=LATENCY_CV)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="qrq-throughput-") as tmp, spawn(settings) as judge:
+        backend_file = {
+            "backend": {"kind": "judge", "url": judge.url + "/v1", "model": "mock",
+                        "timeout_s": 10},
+            "pool": POOL,
+            "retry": {"attempts": 3, "backoff_base_s": 0.1, "backoff_cap_s": 1.0},
+        }
+        config_path = write_config(Path(tmp), {"judge": backend_file}, redis_url=args.redis_url)
+        app = qreward_queue.configure(config_path)
+        backend = app.backend_config("judge")
+        workers = [QrqWorker(config_path, "judge", f"w{i}", app) for i in range(args.workers)]
+        try:
+            run_qrq(app, workers, samples_for(256), expected(backend, samples_for(256)))  # warm
+            for n in args.n:
+                samples = samples_for(n)
+                want = expected(backend, samples)
+                base = run_async(backend, samples, want)
+                mine = run_qrq(app, workers, samples, want)
+                for row in (base, mine):
+                    row["ratio_vs_async"] = row["per_s"] / base["per_s"]
+                rows += [base, mine]
+        finally:
+            for w in workers:
+                w.stop()
+    header = (f"{'client':<17}{'n':>6}{'wall_s':>8}{'per_s':>8}{'x_async':>8}{'cpu/1k_cli':>11}"
+              f"{'cpu/req_wrk':>12}{'submit_s':>9}{'p50_ms':>8}{'p99_ms':>8}{'wrong':>6}")
+    print(f"== fast judge: {LATENCY_MS:g} ms mean, cv {LATENCY_CV}, no binding limit; "
+          f"qrq: {args.workers} workers x {POOL}")
+    print(header)
+    for r in rows:
+        print(f"{r['client']:<17}{r['n']:>6}{r['wall_s']:>8.2f}{r['per_s']:>8.0f}"
+              f"{r['ratio_vs_async']:>8.2f}{r['client_cpu_ms_per_1000'] / 1000:>10.2f}s"
+              f"{_f(r['worker_cpu_ms_per_request'], '.2f'):>11}ms{_f(r['submit_s'], '.3f'):>9}"
+              f"{r['p50_ms']:>8.0f}{r['p99_ms']:>8.0f}{r['wrong']:>6}")
+    print("\n== targets")
+    for r in (r for r in rows if r["client"] == "qrq"):
+        n = r["n"]
+        checks = [(f"n={n}: qrq >= 1000 samples/s", r["per_s"] >= 1000, f"{r['per_s']:.0f}/s"),
+                  (f"n={n}: qrq >= 0.8x asyncio", r["ratio_vs_async"] >= 0.8,
+                   f"{r['ratio_vs_async']:.2f}x"),
+                  (f"n={n}: worker CPU <= 1.5 ms/request", r["worker_cpu_ms_per_request"] <= 1.5,
+                   f"{r['worker_cpu_ms_per_request']:.2f} ms"),
+                  (f"n={n}: 0 wrong", r["wrong"] == 0, str(r["wrong"]))]
+        if n >= 8192:
+            checks.append((f"n={n}: submit_batch < 0.5 s", r["submit_s"] < 0.5,
+                           f"{r['submit_s']:.3f} s"))
+        for what, ok, figure in checks:
+            print(f"{'PASS' if ok else 'FAIL'}  {what}: {figure}")
+    if args.json:
+        for r in rows:
+            print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v)
+                              for k, v in r.items()}))
+
+
+def _f(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Every Redis key qrq reads or writes, named in one place.
+
+Everything lives under the `qrq:` prefix, which kombu and the result store also apply
+(`global_keyprefix`), so one `SCAN qrq:*` shows all of qrq's state. Keys of one backend's
+limiter and breaker share the hash tag `{<backend>}` (one Redis Cluster slot, so a Lua
+script may touch them together).
+"""
+
+from __future__ import annotations
+
+PREFIX = "qrq:"
+PRIORITY_LEVELS = 10  # kombu keeps one list per priority level (0 = the bare queue name)
+
+
+def queue_lists(queue: str) -> list[str]:
+    """kombu's lists for `queue`, one per priority level (sep ':', `qrq:` prefix)."""
+    return [f"{PREFIX}{queue}"] + [f"{PREFIX}{queue}:{p}" for p in range(1, PRIORITY_LEVELS)]
+
+
+def held(task_id: str) -> str:
+    """The node holding a task (running it, or waiting out its retry countdown)."""
+    return f"{PREFIX}held:{task_id}"
+
+
+def alive(node: str) -> str:
+    """Exists while a worker node's heartbeat is fresh."""
+    return f"{PREFIX}alive:{node}"
+
+
+def batch_sentinel(batch_id: str) -> str:
+    """Set at submit; gone means Redis lost its data (a restart without persistence)."""
+    return f"{PREFIX}batch:{batch_id}"
+
+
+def _tag(backend: str) -> str:
+    return f"{PREFIX}{{{backend}}}"
+
+
+def limiter(backend: str) -> dict[str, str]:
+    """The limiter's keys: bucket hash, leases zset, AIMD hash, recent-429 counter."""
+    tag = _tag(backend)
+    return {
+        "bucket": f"{tag}:bucket",
+        "leases": f"{tag}:leases",
+        "aimd": f"{tag}:aimd",
+        "recent429": f"{tag}:recent429",
+    }
+
+
+def breaker(backend: str) -> dict[str, str]:
+    """The circuit breaker's keys: failure count, open flag, tripped flag, half-open probe."""
+    tag = _tag(backend)
+    return {name: f"{tag}:{name}" for name in ("fails", "open", "tripped", "probe")}
+
+
+def cache(identity: str) -> str:
+    """Prefix of the score cache of one reward identity (content key appended)."""
+    return f"{PREFIX}cache:{identity}:"

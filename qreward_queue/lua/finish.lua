@@ -1,0 +1,84 @@
+-- finish.lua: everything after a call, in one round trip: reconcile the booked token estimate,
+-- apply what the backend answered (header sync, a 429 pause, the AIMD controller) and release
+-- the call's lease. Also used without a lease for plain feedback and pauses.
+-- KEYS[1] bucket hash, KEYS[2] leases zset, KEYS[3] aimd hash, KEYS[4] recent-429 counter
+-- args: holders (leases to release), event ('ok' | '429' | 'timeout' | ''), max_concurrent
+--   (0 = no AIMD), aimd_cooldown_ms, pause_ms (0 = none), limits: [{name, cap, rate, refund
+--   (booked minus used; < 0 charges an overrun), remaining, limit_rate (per ms), reset_ms}]
+--   (the header fields are absent when the reply did not carry them)
+-- Returns {limit}: the adaptive concurrency limit (-1 without max_concurrent).
+local HRATE_KEEP_MS = 600000   -- a learned lower rate outlives an idle bucket by 10 minutes
+local AIMD_IDLE_MS = 600000    -- an idle controller forgets its state after 10 minutes
+local RECENT_429_S = 60
+local bucket, event = KEYS[1], args.event
+local now = now_ms()
+local h = read_hash(bucket)
+local keep = tonumber(h.keep_until) or 0
+local set = {}
+
+if args.holders and #args.holders > 0 then
+  redis.call('ZREM', KEYS[2], unpack(args.holders))
+end
+
+-- A header limit below the configured rate becomes the rate (and scales the capacity) until a
+-- header says otherwise.
+for _, l in ipairs(args.limits or {}) do
+  if l.limit_rate and l.limit_rate < l.rate then
+    set[l.name .. ':hrate'] = num(l.limit_rate)
+    h[l.name .. ':hrate'] = set[l.name .. ':hrate']
+    keep = math.max(keep, now + HRATE_KEEP_MS)
+  elseif l.limit_rate and h[l.name .. ':hrate'] then
+    redis.call('HDEL', bucket, l.name .. ':hrate')
+    h[l.name .. ':hrate'] = nil
+  end
+end
+
+-- A pause only extends the current one (a burst of 429s pauses once): it moves the whole
+-- schedule, debt included, back by the extension and drops any burst; `shift` sums the moves
+-- so that requests booked earlier and still sleeping move with it (see checkpoint.lua).
+local until_ms = now + (args.pause_ms or 0)
+local paused_until = tonumber(h.paused_until) or now
+local extend = math.max(0, until_ms - math.max(now, paused_until))
+local limits = load_limits(h, now)
+for _, l in ipairs(limits) do
+  if l.refund and l.refund ~= 0 then l.level = math.min(l.cap, l.level + l.refund) end
+  if l.remaining then l.level = math.min(l.level, l.remaining) end
+  if l.reset_ms then
+    set[l.name .. ':reset_at'] = num(now + l.reset_ms)
+    keep = math.max(keep, now + l.reset_ms)
+  end
+  if extend > 0 then l.level = math.min(l.level, 0) - extend * l.rate end
+end
+if extend > 0 then
+  set.shift = num((tonumber(h.shift) or 0) + extend)
+  set.paused_until = num(until_ms)
+  keep = math.max(keep, until_ms)
+end
+if keep > 0 then set.keep_until = num(keep) end
+save_limits(bucket, h, limits, now, set)
+
+if event == '429' and redis.call('INCR', KEYS[4]) == 1 then
+  redis.call('EXPIRE', KEYS[4], RECENT_429_S)
+end
+local max_conc = args.max_concurrent
+if max_conc <= 0 then return cjson.encode({limit = -1}) end
+local a = redis.call('HMGET', KEYS[3], 'limit', 'ok', 'cut_at')
+local limit = math.min(max_conc, tonumber(a[1]) or max_conc)
+local ok = tonumber(a[2]) or 0
+if event == 'ok' then
+  -- additive increase: +1 after `limit` successes
+  ok = ok + 1
+  if ok >= limit then limit, ok = math.min(max_conc, limit + 1), 0 end
+elseif event == '429' or event == 'timeout' then
+  -- multiplicative decrease, once per cooldown so one burst of failures halves only once
+  local cut_at = tonumber(a[3])
+  if not cut_at or now >= cut_at + args.aimd_cooldown_ms then
+    limit, ok = math.max(1, math.floor(limit / 2)), 0
+    redis.call('HSET', KEYS[3], 'cut_at', num(now))
+  end
+else
+  return cjson.encode({limit = limit})
+end
+redis.call('HSET', KEYS[3], 'limit', limit, 'ok', ok)
+redis.call('PEXPIRE', KEYS[3], AIMD_IDLE_MS)
+return cjson.encode({limit = limit})
