@@ -17,8 +17,12 @@ _CONTENT_FIELDS = ("prompt", "response", "reference", "data_source", "extra")
 
 def content_key(sample: dict) -> str:
     """Identical samples (ignoring `id`) share a key, so a batch scores each only once."""
-    content = {k: sample.get(k) for k in _CONTENT_FIELDS}
-    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:32]
+    digest = hashlib.blake2b(digest_size=16)
+    for name in _CONTENT_FIELDS[:-1]:
+        digest.update(b"\x1f" + (sample.get(name) or "").encode("utf-8", "surrogatepass"))
+    if sample.get("extra"):
+        digest.update(b"\x1e" + json.dumps(sample["extra"], sort_keys=True).encode())
+    return digest.hexdigest()
 
 
 def reward_identity(config: Config, route: Route) -> str:

@@ -15,7 +15,8 @@ DEFAULT_MAX_SAMPLE_BYTES = 1 << 20
 
 _REQUIRED_TEXT = ("prompt", "response")
 _OPTIONAL_TEXT = ("reference", "data_source")
-_KNOWN_KEYS = frozenset({*_REQUIRED_TEXT, *_OPTIONAL_TEXT, "extra", "id"})
+_TEXT = (*_REQUIRED_TEXT, *_OPTIONAL_TEXT)
+_KNOWN_KEYS = frozenset({*_TEXT, "extra", "id"})
 
 
 @dataclass
@@ -78,10 +79,14 @@ def sample_problem(sample: Any, max_bytes: int = DEFAULT_MAX_SAMPLE_BYTES) -> st
     extra = sample.get("extra")
     if extra is not None and not isinstance(extra, dict):
         return f"field 'extra' must be a JSON object, got {type(extra).__name__}"
-    try:
-        size = len(json.dumps(sample, allow_nan=False).encode("utf-8"))
-    except (TypeError, ValueError) as exc:
-        return f"not JSON-serializable ({exc})"
+    # the text's UTF-8 size plus the JSON of the rest: no full encoding of every sample
+    size = sum(len(sample[k].encode("utf-8", "surrogatepass")) for k in _TEXT if sample.get(k))
+    rest = {k: sample[k] for k in ("extra", "id") if sample.get(k) is not None}
+    if rest:
+        try:
+            size += len(json.dumps(rest, allow_nan=False))
+        except (TypeError, ValueError) as exc:
+            return f"not JSON-serializable ({exc})"
     if size > max_bytes:
         return f"{size} bytes exceeds the {max_bytes}-byte cap per sample"
     return None
