@@ -86,7 +86,11 @@ config_option = click.option(
 @cli.command()
 @config_option
 @click.option("--route", help="Route to score on (default: the config's default route).")
-def demo(config_path: str | None, route: str | None) -> None:
+@click.option(
+    "--prompts", type=click.IntRange(1), default=128, show_default=True,
+    help="GRPO prompts in the batch (8 responses each).",
+)
+def demo(config_path: str | None, route: str | None, prompts: int) -> None:
     """Start mock judges and score a 1,024-sample GRPO batch: qrq vs two plain clients."""
     from .demo import run_demo
     from .runtime import shutdown
@@ -96,7 +100,7 @@ def demo(config_path: str | None, route: str | None) -> None:
     if config.source == str(PACKAGED_CONFIG):
         click.echo(f"config: the example shipped with qrq ({PACKAGED_CONFIG})")
     try:
-        ok = run_demo(config, click.echo, route)
+        ok = run_demo(config, click.echo, route, prompts)
     finally:
         shutdown()
     if not ok:

@@ -22,6 +22,7 @@ from celery.states import READY_STATES
 from .app import PRIORITIES, QrqCelery
 from .cache import ScoreCache, content_key, reward_identity
 from .config import Route
+from .liveness import NoWorkerWatch
 from .routing import Chunk, plan, route_shares
 from .runtime import get_app
 from .samples import Outcome, validate_samples
@@ -65,6 +66,7 @@ class RewardBatch:
         self._sentinel: str | None = None
         self._next_liveness_check = time.monotonic() + LIVENESS_CHECK_S
         self._unheld: set[str] = set()
+        self._no_worker = NoWorkerWatch(app)
         self.resubmitted = 0
 
     def __len__(self) -> int:
@@ -150,6 +152,7 @@ class RewardBatch:
         try:
             metas = self._read_metas()
             lost = self._lost_chunks(metas)
+            self._no_worker.check(c.backend for c in self._pending.values())
         except (redis.ConnectionError, redis.TimeoutError, OSError):
             return  # Redis is restarting: try again at the next poll, until the deadline
         for task_id, meta in metas.items():

@@ -143,11 +143,13 @@ def demo_workers(config: Config, names: list[str]):
             p.wait(30)
 
 
-def run_demo(config: Config, echo: Callable[[str], None], route: str | None = None) -> bool:
+def run_demo(
+    config: Config, echo: Callable[[str], None], route: str | None = None, prompts: int = 128
+) -> bool:
     """Run the three clients on the same judges; True when every score matched the rule."""
     the_route = config.route(route)
     names = list(the_route.backends)
-    samples = grpo_batch()
+    samples = grpo_batch(prompts)
     with mock_judges(config, names, echo) as (config, judges):
         app = configure(config)
         backends = [config.backend(n) for n in names]
@@ -161,7 +163,7 @@ def run_demo(config: Config, echo: Callable[[str], None], route: str | None = No
                 )
             )
             echo(
-                f"scoring {len(samples)} samples (128 prompts x 8 responses), judge latency "
+                f"scoring {len(samples)} samples ({prompts} prompts x 8 responses), judge latency "
                 f"{DEMO_LATENCY_MS:g} ms mean; naive: one request at a time to {names[0]}; "
                 f"asyncio: Semaphore({SEMAPHORE}) over {', '.join(names)}; qrq: route "
                 f"{the_route.name!r}"

@@ -16,7 +16,7 @@ import requests
 import urllib3
 from requests.adapters import HTTPAdapter
 
-from ..config import Backend
+from ..config import Backend, redact_url
 from ..errors import PermanentError, RateLimited, TransientError
 from ..ratelimit_headers import parse_retry_after
 
@@ -69,7 +69,8 @@ def post_json(config: Backend, url: str, payload: dict) -> Reply:
     except (requests.Timeout, urllib3.exceptions.ReadTimeoutError):
         raise TransientError(f"no reply within {config.timeout_s:g} s", timed_out=True) from None
     except (requests.RequestException, urllib3.exceptions.HTTPError, OSError) as exc:
-        raise TransientError(f"connection failed: {type(exc).__name__}") from None
+        raise TransientError(f"connection failed: {redact_url(url)} ({type(exc).__name__})") \
+            from None
     reply_headers = {k.lower(): v for k, v in resp.headers.items()}
     facts = {"status_code": resp.status_code, "headers": reply_headers}
     text = raw[:500].decode("utf-8", "replace")
