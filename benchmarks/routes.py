@@ -4,8 +4,9 @@
 
 Mock judges run as subprocesses (`qreward_queue.mock_judge.spawn`), every one with latency
 200 ms mean (lognormal, cv 0.5) and the same verdict rule, so any backend's score can be checked.
-qrq runs real `qrq worker` subprocesses, one per backend, each a thread pool of about
-2 x (rpm / 60) x latency (8, 16, 24 threads for 1200, 2400, 3600 rpm; 20 for 3000 rpm).
+qrq runs real `qrq worker` subprocesses, one per backend, each a thread pool sized by the
+README's rule, 2 x (rpm / 60) x latency (8, 16, 24 threads for 1200, 2400, 3600 rpm; 20 for
+3000 rpm). Redis: $QRQ_BENCH_REDIS_URL, else database 10, flushed per scenario.
 
 S4  spread: route `spread` = judges j1200, j2400, j3600 (rpm as named, 64 in flight each);
     2,048 samples (`grpo_batch(256, 8)`). Against: the same batch on j3600 alone through qrq
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import random
 import sys
 import tempfile
@@ -65,10 +67,11 @@ from common import (
 from support import write_route_config
 
 import qreward_queue
+from qreward_queue.config import Limits, advised_concurrency
 from qreward_queue.demo import expected_scores, grpo_batch
 from qreward_queue.mock_judge import MockJudgeProcess, MockJudgeSettings, spawn
 
-REDIS_URL = "redis://127.0.0.1:6379/10"
+REDIS_URL = os.environ.get("QRQ_BENCH_REDIS_URL", "redis://127.0.0.1:6379/10")
 LATENCY_MS = 200.0
 LATENCY_CV = 0.5
 MAX_CONCURRENT = 64
@@ -100,8 +103,8 @@ def log(message: str) -> None:
 
 
 def pool_size(rpm: float) -> int:
-    """Threads for a backend: 2 x (requests in flight at the limit), at least 4."""
-    return max(4, round(2 * rpm / 60 * LATENCY_MS / 1000))
+    """Threads for a backend's one worker, by the README's pool-sizing rule."""
+    return advised_concurrency(Limits(rpm=rpm, max_concurrent=MAX_CONCURRENT), LATENCY_MS / 1000)
 
 
 def judge_settings(rpm: float, seed: int, **faults) -> MockJudgeSettings:

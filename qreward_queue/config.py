@@ -72,6 +72,24 @@ class Limits:
     burst_s: float = 1.0
 
 
+def advised_concurrency(
+    limits: Limits, latency_s: float, workers: int = 1, want_per_s: float | None = None
+) -> int:
+    """Threads per worker for a backend: the pool-sizing rule of the README and the examples.
+
+    Calls in flight for the whole backend = 2 x rate x latency (Little's law, doubled for the
+    spread of latencies), rate = rpm/60 or, with no rpm, the rate you want (`want_per_s`); at
+    least 8, at most max_concurrent; with no rate at all, max_concurrent. Split over `workers`.
+    """
+    rate = limits.rpm / 60 if limits.rpm else want_per_s
+    if rate is None and limits.max_concurrent is None:
+        raise ValueError("a backend with no rpm and no max_concurrent needs want_per_s")
+    total = max(8, math.ceil(2 * rate * latency_s)) if rate else limits.max_concurrent
+    if limits.max_concurrent:
+        total = min(total, limits.max_concurrent)
+    return math.ceil(total / workers)
+
+
 @dataclass(frozen=True)
 class Pool:
     """How the Celery worker pool for one backend runs."""

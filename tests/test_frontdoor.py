@@ -3,6 +3,7 @@ no worker says so, Redis problems and unset keys are one line, exit codes tell t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -12,9 +13,18 @@ import threading
 from pathlib import Path
 
 import pytest
+import redis
+import yaml
 from support import ROOT, Worker, free_port, judge_backend, wait_for, write_config
 
-from qreward_queue.config import PACKAGED_CONFIG
+from qreward_queue.app import PRIORITIES, QrqCelery
+from qreward_queue.config import (
+    PACKAGED_CONFIG,
+    Limits,
+    advised_concurrency,
+    load_backend,
+    load_config,
+)
 from qreward_queue.mock_judge import MockJudge, MockJudgeSettings
 
 
@@ -198,3 +208,44 @@ class StderrReader:
     def text(self) -> str:
         self.thread.join(10)
         return "".join(self.lines)
+
+
+@pytest.mark.parametrize(
+    "file, latency_s, workers",
+    [("mock-a.toml", 0.025, 1), ("mock-b.toml", 0.025, 1), ("mock-rm.toml", 0.05, 1),
+     ("openai.toml.example", 1.0, 2), ("vllm-judge.toml.example", 0.5, 2)],
+)
+def test_example_pools_follow_the_sizing_rule(file, latency_s, workers):
+    backend = load_backend(ROOT / "workers" / file)
+    assert backend.pool.concurrency == advised_concurrency(backend.limits, latency_s, workers)
+
+
+def test_sizing_rule_without_any_limit_needs_the_wanted_rate():
+    assert advised_concurrency(Limits(), 0.02, 2, want_per_s=1000) == 20
+    with pytest.raises(ValueError):
+        advised_concurrency(Limits(), 0.02)
+
+
+@pytest.mark.parametrize("file", sorted(p.name for p in (ROOT / "workers").glob("*.toml")))
+def test_k8s_has_one_deployment_per_pool_scaled_on_its_real_lists(file, redis_url):
+    backend = load_backend(ROOT / "workers" / file)
+    docs = list(yaml.safe_load_all((ROOT / "deploy" / "k8s" / f"worker-{backend.name}.yaml")
+                                   .read_text()))
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    (scaler,) = [d for d in docs if d["kind"] == "ScaledObject"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["qrq", "worker", f"workers/{file}"]
+    assert scaler["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
+    env = {e["name"] for e in container["env"]}
+    triggers = [t["metadata"] for t in scaler["spec"]["triggers"]]
+    for trigger in triggers:  # KEDA reads these variables from the target's container
+        assert {trigger["addressFromEnv"], trigger["passwordFromEnv"]} <= env
+    # Given one message per priority on the backend's queue, the triggers name those lists
+    config = load_config(ROOT / "qrq.toml")
+    app = QrqCelery(dataclasses.replace(config, redis_url=redis_url))
+    for priority in PRIORITIES.values():
+        app.send_task("qrq.score_chunk", kwargs={}, queue=backend.queue, priority=priority)
+    store = redis.Redis.from_url(redis_url)
+    lists = {k.decode() for k in store.keys("qrq:qrq.*") if store.type(k) == b"list"}
+    assert {t["listName"] for t in triggers} == lists
+    assert all(store.llen(t["listName"]) == 1 for t in triggers)
