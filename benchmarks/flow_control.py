@@ -5,7 +5,7 @@
 S1  one backend: the mock judge allows 3000 rpm (one second's worth, 50, in its bucket) and 64
     requests in flight, latency 200 ms mean (lognormal, cv 0.5); 1,024 samples (`grpo_batch`);
     qrq with 2 `qrq worker` processes sized by the README's rule (backend file: rpm 3000,
-    max_concurrent 64: 2 x 50/s x 0.2 s = 20 in flight, 10 threads each).
+    max_concurrent 64: 3 x 50/s x 0.2 s = 30 in flight, 15 threads each).
 S2  shared limit: the same judge; 4 trainer processes each submit 256 samples at the same moment;
     the same 2 workers serve. Baselines (b), (c), (d) run as 4 processes too, each configured
     with the full limit, as separate trainers would be.
@@ -471,7 +471,7 @@ def targets(runs: list[Run]) -> list[tuple[str, bool, str]]:
 
 
 SCENARIOS = {
-    "S1": ("S1 one backend: judge 3000 rpm, 64 in flight, 200 ms; qrq 2 workers x 10 threads",
+    "S1": ("S1 one backend: judge 3000 rpm, 64 in flight, 200 ms; qrq 2 workers x 15 threads",
            scenario_s1),
     "S2": (f"S2 shared limit: same judge, {TRAINERS} trainer processes submit at once",
            scenario_s2),

@@ -5,7 +5,7 @@
 Mock judges run as subprocesses (`qreward_queue.mock_judge.spawn`), every one with latency
 200 ms mean (lognormal, cv 0.5) and the same verdict rule, so any backend's score can be checked.
 qrq runs real `qrq worker` subprocesses, one per backend, each a thread pool sized by the
-README's rule, 2 x (rpm / 60) x latency (8, 16, 24 threads for 1200, 2400, 3600 rpm; 20 for
+README's rule, 3 x (rpm / 60) x latency (12, 24, 36 threads for 1200, 2400, 3600 rpm; 30 for
 3000 rpm). Redis: $QRQ_BENCH_REDIS_URL, else database 10, flushed per scenario.
 
 S4  spread: route `spread` = judges j1200, j2400, j3600 (rpm as named, 64 in flight each);

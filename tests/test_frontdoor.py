@@ -221,7 +221,7 @@ def test_example_pools_follow_the_sizing_rule(file, latency_s, workers):
 
 
 def test_sizing_rule_without_any_limit_needs_the_wanted_rate():
-    assert advised_concurrency(Limits(), 0.02, 2, want_per_s=1000) == 20
+    assert advised_concurrency(Limits(), 0.02, 2, want_per_s=1000) == 30
     with pytest.raises(ValueError):
         advised_concurrency(Limits(), 0.02)
 
