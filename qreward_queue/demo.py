@@ -65,8 +65,10 @@ def expected_scores(config: Config, samples: list[dict], backends: list[str]) ->
 
 
 def port_taken(host: str, port: int) -> bool:
-    """True when something already listens on host:port (binding it fails)."""
+    """True when something already listens on host:port (binding it fails, with the
+    SO_REUSEADDR the mock judge's server sets too, so a closed port in TIME_WAIT is free)."""
     with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError as exc:
