@@ -18,13 +18,16 @@ import yaml
 from support import ROOT, Worker, free_port, judge_backend, wait_for, write_config
 
 from qreward_queue.app import PRIORITIES, QrqCelery
+from qreward_queue.backends.http import post_json
 from qreward_queue.config import (
     PACKAGED_CONFIG,
+    Backend,
     Limits,
     advised_concurrency,
     load_backend,
     load_config,
 )
+from qreward_queue.errors import TransientError
 from qreward_queue.mock_judge import MockJudge, MockJudgeSettings
 
 
@@ -249,3 +252,13 @@ def test_k8s_has_one_deployment_per_pool_scaled_on_its_real_lists(file, redis_ur
     lists = {k.decode() for k in store.keys("qrq:qrq.*") if store.type(k) == b"list"}
     assert {t["listName"] for t in triggers} == lists
     assert all(store.llen(t["listName"]) == 1 for t in triggers)
+
+
+def test_connection_failure_names_the_url_without_credentials():
+    port = free_port()
+    backend = Backend(name="j", kind="judge", url=f"http://user:pa55word@127.0.0.1:{port}/v1",
+                      model="m", timeout_s=2)
+    with pytest.raises(TransientError) as caught:
+        post_json(backend, f"{backend.url}/chat/completions", {"x": 1})
+    assert f"connection failed: http://127.0.0.1:{port}/v1/chat/completions" in str(caught.value)
+    assert "pa55word" not in str(caught.value) and "user" not in str(caught.value)
