@@ -1,8 +1,9 @@
 """Shared pieces of the benchmarks: config files, real `qrq worker` subprocesses, CPU from /proc,
 per-run figures, the table and the JSON lines.
 
-Every benchmark talks to the real Redis at 127.0.0.1:6379, database 9 (flushed at the start of
-each scenario), and to mock judges run as subprocesses (`qreward_queue.mock_judge.spawn`).
+Every benchmark talks to the real Redis at $QRQ_BENCH_REDIS_URL (default 127.0.0.1:6379,
+database 9; routes.py: 10), flushed at the start of each scenario, and to mock judges run as
+subprocesses (`qreward_queue.mock_judge.spawn`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from support import PrivateRedis, write_config  # noqa: E402, F401  (tests/support.py, put on sys.path above)
 
-REDIS_URL = "redis://127.0.0.1:6379/9"
+REDIS_URL = os.environ.get("QRQ_BENCH_REDIS_URL", "redis://127.0.0.1:6379/9")
 BACKEND = "judge"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -51,13 +52,14 @@ def flush_redis(url: str = REDIS_URL) -> None:
 
 
 def judge_config(
-    url: str, *, rpm: float, max_concurrent: int, concurrency: int, timeout_s: float = 30.0
+    url: str, *, rpm: float, max_concurrent: int, calls: int, timeout_s: float = 30.0
 ) -> dict:
-    """The backend file of a judge at `url` (a mock judge's base URL) with these limits."""
+    """The backend file of a judge at `url` (a mock judge's base URL) with these limits and
+    `calls` in flight per worker process (2 chunk tasks at once)."""
     return {
         "backend": {"kind": "judge", "url": url + "/v1", "model": "mock", "timeout_s": timeout_s},
         "limits": {"rpm": rpm, "max_concurrent": max_concurrent},
-        "pool": {"type": "threads", "concurrency": concurrency},
+        "pool": {"type": "threads", "concurrency": 2, "calls": calls},
         "retry": {"attempts": 3, "backoff_base_s": 0.1, "backoff_cap_s": 1.0},
     }
 

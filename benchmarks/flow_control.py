@@ -4,7 +4,8 @@
 
 S1  one backend: the mock judge allows 3000 rpm (one second's worth, 50, in its bucket) and 64
     requests in flight, latency 200 ms mean (lognormal, cv 0.5); 1,024 samples (`grpo_batch`);
-    qrq with 2 `qrq worker` processes of 32 threads (backend file: rpm 3000, max_concurrent 64).
+    qrq with 2 `qrq worker` processes sized by the README's rule (backend file: rpm 3000,
+    max_concurrent 64: 3 x 50/s x 0.2 s = 30 in flight, 15 threads each).
 S2  shared limit: the same judge; 4 trainer processes each submit 256 samples at the same moment;
     the same 2 workers serve. Baselines (b), (c), (d) run as 4 processes too, each configured
     with the full limit, as separate trainers would be.
@@ -20,7 +21,8 @@ was sent (a silent 0.0 from a failed call counts; qrq's flagged fallbacks do not
 `worker_cpu_ms_per_request`: CPU time of the qrq worker processes (and children, from /proc)
 during the run, over the judge requests. Latency per sample: see baselines.py; for qrq it is
 the outcome's `latency_ms` (task start to score, limiter wait and retries included).
-Uses Redis database 9, flushed at the start of each scenario. Never exits non-zero on a miss.
+Uses $QRQ_BENCH_REDIS_URL (default database 9), flushed at the start of each scenario.
+Never exits non-zero on a miss.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from common import (
 )
 
 import qreward_queue
+from qreward_queue.config import Limits, advised_calls
 from qreward_queue.demo import expected_scores, grpo_batch
 from qreward_queue.mock_judge import MockJudgeSettings, spawn
 
@@ -61,7 +64,6 @@ SERVER_CONCURRENT = 64
 LATENCY_MS = 200.0
 LATENCY_CV = 0.5
 WORKERS = 2
-WORKER_THREADS = 32
 TRAINERS = 4
 PROBE_S = 10.0
 REFILL_S = 1.5  # between runs: the judge's and the limiter's one-second buckets refill
@@ -102,7 +104,9 @@ def scenario_env(backend_rpm: float):
         env.config_path = write_config(
             Path(tmp),
             {BACKEND: judge_config(mock.url, rpm=backend_rpm, max_concurrent=SERVER_CONCURRENT,
-                                   concurrency=WORKER_THREADS)},
+                                   calls=advised_calls(
+                                       Limits(rpm=backend_rpm, max_concurrent=SERVER_CONCURRENT),
+                                       LATENCY_MS / 1000, WORKERS))},
             redis_url=REDIS_URL,
             deadline_s=600,
         )
@@ -117,7 +121,7 @@ def scenario_env(backend_rpm: float):
 
 
 def start_workers(env: Env) -> None:
-    log(f"starting {WORKERS} qrq workers x {WORKER_THREADS} threads")
+    log(f"starting {WORKERS} qrq workers x {env.backend.pool.concurrency} threads")
     env.workers = [QrqWorker(env.config_path, BACKEND, f"w{i + 1}", env.app)
                    for i in range(WORKERS)]
 
@@ -467,7 +471,7 @@ def targets(runs: list[Run]) -> list[tuple[str, bool, str]]:
 
 
 SCENARIOS = {
-    "S1": ("S1 one backend: judge 3000 rpm, 64 in flight, 200 ms; qrq 2 workers x 32 threads",
+    "S1": ("S1 one backend: judge 3000 rpm, 64 in flight, 200 ms; qrq 2 workers x 15 threads",
            scenario_s1),
     "S2": (f"S2 shared limit: same judge, {TRAINERS} trainer processes submit at once",
            scenario_s2),

@@ -4,8 +4,9 @@
 
 Mock judges run as subprocesses (`qreward_queue.mock_judge.spawn`), every one with latency
 200 ms mean (lognormal, cv 0.5) and the same verdict rule, so any backend's score can be checked.
-qrq runs real `qrq worker` subprocesses, one per backend, each a thread pool of about
-2 x (rpm / 60) x latency (8, 16, 24 threads for 1200, 2400, 3600 rpm; 20 for 3000 rpm).
+qrq runs real `qrq worker` subprocesses, one per backend, each a thread pool sized by the
+README's rule, 3 x (rpm / 60) x latency (12, 24, 36 threads for 1200, 2400, 3600 rpm; 30 for
+3000 rpm). Redis: $QRQ_BENCH_REDIS_URL, else database 10, flushed per scenario.
 
 S4  spread: route `spread` = judges j1200, j2400, j3600 (rpm as named, 64 in flight each);
     2,048 samples (`grpo_batch(256, 8)`). Against: the same batch on j3600 alone through qrq
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import random
 import sys
 import tempfile
@@ -65,10 +67,11 @@ from common import (
 from support import write_route_config
 
 import qreward_queue
+from qreward_queue.config import Limits, advised_calls
 from qreward_queue.demo import expected_scores, grpo_batch
 from qreward_queue.mock_judge import MockJudgeProcess, MockJudgeSettings, spawn
 
-REDIS_URL = "redis://127.0.0.1:6379/10"
+REDIS_URL = os.environ.get("QRQ_BENCH_REDIS_URL", "redis://127.0.0.1:6379/10")
 LATENCY_MS = 200.0
 LATENCY_CV = 0.5
 MAX_CONCURRENT = 64
@@ -100,8 +103,8 @@ def log(message: str) -> None:
 
 
 def pool_size(rpm: float) -> int:
-    """Threads for a backend: 2 x (requests in flight at the limit), at least 4."""
-    return max(4, round(2 * rpm / 60 * LATENCY_MS / 1000))
+    """Calls in flight for a backend's one worker, by the README's pool-sizing rule."""
+    return advised_calls(Limits(rpm=rpm, max_concurrent=MAX_CONCURRENT), LATENCY_MS / 1000)
 
 
 def judge_settings(rpm: float, seed: int, **faults) -> MockJudgeSettings:
@@ -169,7 +172,7 @@ def scenario_env(
         env.config = qreward_queue.load_config(env.config_path)
         env.app = qreward_queue.configure(env.config)
         log(f"starting {len(mocks)} qrq worker(s): "
-            + ", ".join(f"{n} x {env.config.backend(n).pool.concurrency} threads" for n in mocks))
+            + ", ".join(f"{n} x {env.config.backend(n).pool.calls} calls" for n in mocks))
         env.workers = start_qrq_workers(env.config_path, [(n, n) for n in mocks], env.app)
         stack.callback(stop_workers, env)
         yield env, server
@@ -291,7 +294,7 @@ def print_table(title: str, runs: list[Run], notes: list[str]) -> None:
 # ---------------------------------------------------------------------------------- scenarios
 def route_backend(name: str, url: str) -> dict:
     rpm = ROUTE_RPM[name]
-    b = judge_config(url, rpm=rpm, max_concurrent=MAX_CONCURRENT, concurrency=pool_size(rpm))
+    b = judge_config(url, rpm=rpm, max_concurrent=MAX_CONCURRENT, calls=pool_size(rpm))
     b["retry"].update(breaker_threshold=5, breaker_cooldown_s=30.0)
     return b
 
@@ -441,7 +444,7 @@ def scenario_s6(args) -> tuple[list[Run], list[str]]:
 
     def backend(name: str, url: str) -> dict:
         b = judge_config(url, rpm=SINGLE_RPM, max_concurrent=MAX_CONCURRENT,
-                         concurrency=pool_size(SINGLE_RPM), timeout_s=FAULT_TIMEOUT_S)
+                         calls=pool_size(SINGLE_RPM), timeout_s=FAULT_TIMEOUT_S)
         b["retry"].update(attempts=FAULT_ATTEMPTS, backoff_base_s=0.2, backoff_cap_s=2.0)
         return b
 
@@ -479,7 +482,7 @@ def scenario_s7(args) -> tuple[list[Run], list[str]]:
         # 5% headroom under the judge's limit: S7 counts judge calls, and a rare 429 retry (flow
         # control at 100% of the limit, measured in S1-S4) would add a call that is no dedup miss
         return judge_config(url, rpm=CACHE_HEADROOM * SINGLE_RPM, max_concurrent=MAX_CONCURRENT,
-                            concurrency=pool_size(SINGLE_RPM))
+                            calls=pool_size(SINGLE_RPM))
 
     runs = []
     with scenario_env({"jc": judge_settings(SINGLE_RPM, seed=7)}, backend,
@@ -510,7 +513,7 @@ def scenario_s8(args) -> tuple[list[Run], list[str]]:
 
     def backend(name: str, url: str) -> dict:
         return judge_config(url, rpm=SINGLE_RPM, max_concurrent=MAX_CONCURRENT,
-                            concurrency=pool_size(SINGLE_RPM))
+                            calls=pool_size(SINGLE_RPM))
 
     with scenario_env({"jr": judge_settings(SINGLE_RPM, seed=8)}, backend,
                       private_redis=True) as (env, server):

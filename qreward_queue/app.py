@@ -19,7 +19,7 @@ from celery.backends.redis import RedisBackend
 from celery.signals import task_received, worker_ready
 from kombu import Queue
 
-from . import keys, tasks
+from . import keys, liveness, tasks
 from .breaker import CircuitBreaker
 from .config import Backend, Config
 from .limiter import Limiter
@@ -193,12 +193,12 @@ def _start_heartbeat(sender, **_) -> None:
     app = sender.app
     if not isinstance(app, QrqCelery) or app.qrq_config.embedded:
         return
-    key = keys.alive(sender.hostname)
+    queues = list(app.amqp.queues.consume_from or {})  # also tells clients who serves a queue
 
     def beat() -> None:
         while True:
             with contextlib.suppress(redis.RedisError):  # Redis restarting: beat again later
-                app.store.set(key, 1, ex=HEARTBEAT_TTL_S)
+                liveness.beat(app.store, sender.hostname, queues, HEARTBEAT_TTL_S)
             time.sleep(HEARTBEAT_S)
 
     threading.Thread(target=beat, daemon=True, name="qrq-heartbeat").start()

@@ -1,4 +1,8 @@
-"""qrq: demo, score, worker, status, mock-judge. Errors are one clear line, not a traceback."""
+"""qrq: demo, score, worker, status, mock-judge. Errors are one clear line, not a traceback.
+
+Exit status: 0 success; 2 nothing could run (usage, configuration, Redis unreachable); for
+`qrq score` also 1 when some samples were not scored and 3 when none was.
+"""
 
 from __future__ import annotations
 
@@ -6,28 +10,65 @@ import dataclasses
 import json
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import click
+import redis
+from kombu.exceptions import OperationalError
 
-from .config import load_backend, load_config
+from .config import (
+    PACKAGED_CONFIG,
+    Config,
+    config_not_found,
+    find_config,
+    load_backend,
+    load_config,
+)
 from .errors import ConfigError, QrqError
 from .mock_judge import mock_judge_cli
-from .runtime import describe_mode
+from .runtime import check_redis, describe_mode, redis_problem
+
+EXIT_SOME_NOT_SCORED, EXIT_USAGE, EXIT_NONE_SCORED = 1, 2, 3
+_CONFIG_META = "qrq.config"
 
 
 class _Group(click.Group):
-    """Turns qrq's own errors into `qrq: error: ...` and exit status 2."""
+    """Turns qrq's own errors, and Redis going away mid-command, into one `qrq: error:` line."""
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
         except QrqError as exc:
             click.echo(f"qrq: error: {exc}", err=True)
-            ctx.exit(2)
+            ctx.exit(EXIT_USAGE)
+        except (redis.RedisError, OperationalError) as exc:
+            config = ctx.meta.get(_CONFIG_META)
+            if config is None or config.embedded:
+                raise
+            click.echo(f"qrq: error: {redis_problem(config, exc)}", err=True)
+            ctx.exit(EXIT_USAGE)
+
+
+def _load(
+    config_path: str | None, *, fallback: Path | None = None, required: bool = True
+) -> Config:
+    """The configuration a command runs on, with its Redis checked (distributed mode).
+
+    Without a file from the default lookup, `fallback` is used; with none either, a `required`
+    file is an error saying where qrq looked.
+    """
+    path = config_path or find_config() or fallback
+    if path is None and required:
+        raise ConfigError(config_not_found())
+    config = load_config(path)
+    click.get_current_context().meta[_CONFIG_META] = config
+    check_redis(config)
+    return config
 
 
 @click.group(cls=_Group)
+@click.version_option(package_name="qreward-queue", prog_name="qrq")
 def cli() -> None:
     """qreward-queue: score RL rewards fast under the rate limits of the services behind them."""
 
@@ -45,15 +86,21 @@ config_option = click.option(
 @cli.command()
 @config_option
 @click.option("--route", help="Route to score on (default: the config's default route).")
-def demo(config_path: str | None, route: str | None) -> None:
-    """Start mock judges and score a 1,024-sample GRPO batch: qrq vs a naive client."""
+@click.option(
+    "--prompts", type=click.IntRange(1), default=128, show_default=True,
+    help="GRPO prompts in the batch (8 responses each).",
+)
+def demo(config_path: str | None, route: str | None, prompts: int) -> None:
+    """Start mock judges and score a 1,024-sample GRPO batch: qrq vs two plain clients."""
     from .demo import run_demo
     from .runtime import shutdown
 
-    config = load_config(config_path)
+    config = _load(config_path, fallback=PACKAGED_CONFIG)
     click.echo(describe_mode(config))
+    if config.source == str(PACKAGED_CONFIG):
+        click.echo(f"config: the example shipped with qrq ({PACKAGED_CONFIG})")
     try:
-        ok = run_demo(config, click.echo, route)
+        ok = run_demo(config, click.echo, route, prompts)
     finally:
         shutdown()
     if not ok:
@@ -76,13 +123,17 @@ def demo(config_path: str | None, route: str | None) -> None:
 @click.option("--deadline-s", type=float, help="Return by then; the rest comes back as timeout.")
 @config_option
 def score(input_file, output, route, priority, deadline_s, config_path) -> None:
-    """Score the samples in IN.jsonl (one JSON object per line), in order."""
+    """Score the samples in IN.jsonl (one JSON object per line), in order.
+
+    Exit status: 0 every sample scored (ok or cached), 1 some were not (error, timeout), 3 none
+    was, 2 nothing ran (usage, configuration, Redis unreachable).
+    """
     from tqdm import tqdm
 
     from .client import submit_batch
     from .runtime import configure, shutdown
 
-    config = load_config(config_path)
+    config = _load(config_path)
     click.echo(describe_mode(config), err=True)
     app = configure(config)
     samples, lines, unreadable = read_jsonl(input_file)
@@ -96,16 +147,32 @@ def score(input_file, output, route, priority, deadline_s, config_path) -> None:
             bar.update(len(batch) - bar.n)
     finally:
         shutdown()
-    counts: dict[str, int] = {}
     for index, outcome in enumerate(outcomes):
         if index in unreadable:
             outcome.error = unreadable[index]
         elif outcome.error and outcome.error.startswith("invalid sample"):
             outcome.error = f"line {lines[index]}: {outcome.error}"
-        counts[outcome.status] = counts.get(outcome.status, 0) + 1
         output.write(json.dumps({"index": index, "line": lines[index], **outcome.to_dict()}) + "\n")
     output.flush()
-    click.echo("scored " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())), err=True)
+    summary, code = summarize(outcomes)
+    click.echo(summary, err=True)
+    sys.exit(code)
+
+
+def summarize(outcomes: list) -> tuple[str, int]:
+    """The closing line of `qrq score` (counts, and the commonest reason for failures) and its
+    exit status: 0 every sample scored, 1 some not, 3 none (an empty input counts as success)."""
+    counts = Counter(o.status for o in outcomes)
+    line = "scored " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
+    failed = [o for o in outcomes if o.status not in ("ok", "cached")]
+    if not failed:
+        return line, 0
+    reason, times = Counter(o.error or o.status for o in failed).most_common(1)[0]
+    line += (
+        f"; {len(failed)} of {len(outcomes)} samples not scored, most often ({times}x): "
+        f"{reason[:300]}"
+    )
+    return line, EXIT_NONE_SCORED if len(failed) == len(outcomes) else EXIT_SOME_NOT_SCORED
 
 
 def read_jsonl(lines_in) -> tuple[list, list[int], dict[int, str]]:
@@ -149,6 +216,8 @@ def worker(
     backend = load_backend(backend_file)
     if config.embedded:
         raise ConfigError("qrq worker needs Redis: set QRQ_REDIS_URL or [redis] url in qrq.toml")
+    if problem := backend.missing_api_key():
+        raise ConfigError(f"{problem}: export it before starting the worker")
     known = config.backends.get(backend.name)
     if known is not None and Path(known.source).resolve() != Path(backend_file).resolve():
         raise ConfigError(
@@ -187,7 +256,7 @@ def status(config_path: str | None) -> None:
     """Each backend's queue depth, bucket levels, leases, adaptive concurrency and 429s."""
     from .status import render_status
 
-    config = load_config(config_path)
+    config = _load(config_path, required=False)
     click.echo(describe_mode(config))
     click.echo(render_status(config))
 

@@ -24,6 +24,7 @@ from .cache import ScoreCache, content_key, reward_identity
 from .capacity import queue_depth, route_shares
 from .config import Route
 from .errors import DeadlineExceeded, ScoringError
+from .liveness import NoWorkerWatch
 from .routing import Chunk, plan
 from .runtime import get_app
 from .samples import Outcome, validate_samples
@@ -70,6 +71,7 @@ class RewardBatch:
         self._sentinel: str | None = None
         self._next_liveness_check = time.monotonic() + LIVENESS_CHECK_S
         self._unheld: set[str] = set()
+        self._no_worker = NoWorkerWatch(app)
         self.resubmitted = 0
 
     def __len__(self) -> int:
@@ -158,6 +160,7 @@ class RewardBatch:
         try:
             metas = self._read_metas()
             lost = self._lost_chunks(metas)
+            self._no_worker.check(c.backend for c in self._pending.values())
         except (redis.ConnectionError, redis.TimeoutError, OSError):
             return  # Redis is restarting: try again at the next poll, until the deadline
         collected = [t for t, meta in metas.items() if meta["status"] in READY_STATES]

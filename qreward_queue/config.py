@@ -2,6 +2,8 @@
 
 qrq.toml is found through QRQ_CONFIG (a path), else ./qrq.toml; QRQ_REDIS_URL overrides its
 `[redis] url`. With no URL at all qrq runs in embedded mode (in-process broker and workers).
+The package ships an example configuration (`defaults/`: the demo's two mock judges, a reward
+model and a CPU reward) so that `qrq demo` runs from any directory and from a wheel.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from .errors import ConfigError, UnknownRoute
 
@@ -31,6 +34,18 @@ DEFAULT_TEMPLATE = (
 DEFAULT_SCORE_PATTERN = r"Score:\s*([-+]?\d*\.?\d+)"
 _RATE_LIMIT = re.compile(r"^\d+(\.\d+)?/[smh]$")
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+PACKAGED_CONFIG = Path(__file__).resolve().parent / "defaults" / "qrq.toml"
+
+
+def redact_url(url: str) -> str:
+    """`url` without user name or password, safe for messages and logs."""
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    netloc = parts.hostname or ""
+    if parts.port:
+        netloc += f":{parts.port}"
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def expand_env(value: str, where: str) -> str:
@@ -55,6 +70,27 @@ class Limits:
     tpm: float | None = None
     max_concurrent: int | None = None
     burst_s: float = 1.0
+
+
+def advised_calls(
+    limits: Limits, latency_s: float, workers: int = 1, want_per_s: float | None = None
+) -> int:
+    """Calls in flight per worker process (`[pool] calls`) for a backend: the pool-sizing rule
+    of the README and the examples.
+
+    Calls in flight for the whole backend = 3 x rate x latency (Little's law, tripled for the
+    spread of latencies and the worker's own time per task: 2x fell to 71-85% of the limit on
+    a loaded machine, 3x held 100%), rate = rpm/60 or, with no rpm, the rate you want
+    (`want_per_s`); at least 8, at most max_concurrent; with no rate at all, max_concurrent.
+    Split over `workers`.
+    """
+    rate = limits.rpm / 60 if limits.rpm else want_per_s
+    if rate is None and limits.max_concurrent is None:
+        raise ValueError("a backend with no rpm and no max_concurrent needs want_per_s")
+    total = max(8, math.ceil(3 * rate * latency_s)) if rate else limits.max_concurrent
+    if limits.max_concurrent:
+        total = min(total, limits.max_concurrent)
+    return math.ceil(total / workers)
 
 
 @dataclass(frozen=True)
@@ -109,6 +145,19 @@ class Backend:
         """Read the key from the environment at call time; it never enters a message."""
         return os.environ.get(self.api_key_env) if self.api_key_env else None
 
+    def missing_api_key(self) -> str | None:
+        """Why this process cannot call the backend (its key variable is unset), else None.
+
+        A backend-level problem, not a sample's: `qrq worker` refuses to start on it, and the
+        worker side treats it like an open circuit (the work fails over to a sibling).
+        """
+        if self.api_key_env and not os.environ.get(self.api_key_env):
+            return (
+                f"{self.source}: backend.api_key_env: environment variable {self.api_key_env} "
+                f"(the API key of backend {self.name!r}) is not set in this process"
+            )
+        return None
+
 
 @dataclass(frozen=True)
 class Route:
@@ -143,6 +192,8 @@ class Config:
     def route(self, name: str | None) -> Route:
         """The route called `name` (a bare backend name is a one-backend route)."""
         name = name or self.default_route
+        if name is None and self.source == "<memory>":
+            raise UnknownRoute(f"no route given: {config_not_found()}")
         if name is None:
             raise UnknownRoute(f"no route given and {self.source} sets no [defaults] route")
         if name in self.routes:
@@ -388,14 +439,29 @@ def _routes(t: _Table, backends: dict[str, Backend]) -> dict[str, Route]:
     return routes
 
 
+def config_not_found() -> str:
+    """Where the default lookup looked, and how to point it at a file."""
+    return (
+        f"no qrq.toml found ($QRQ_CONFIG is unset and there is no {Path.cwd() / 'qrq.toml'}); "
+        f"pass --config FILE or set QRQ_CONFIG=FILE (an example ships with qrq: "
+        f"{PACKAGED_CONFIG})"
+    )
+
+
+def find_config() -> str | None:
+    """The qrq.toml the default lookup finds: $QRQ_CONFIG, else ./qrq.toml, else None."""
+    path = os.environ.get("QRQ_CONFIG") or None
+    if path is None and Path("qrq.toml").exists():
+        path = "qrq.toml"
+    return path
+
+
 def load_config(path: str | os.PathLike[str] | None = None) -> Config:
     """Load qrq.toml (argument, else $QRQ_CONFIG, else ./qrq.toml) and its backend files.
 
     Without any file, the result is an empty embedded configuration.
     """
-    path = path or os.environ.get("QRQ_CONFIG")
-    if path is None and Path("qrq.toml").exists():
-        path = "qrq.toml"
+    path = path or find_config()
     env_url = os.environ.get("QRQ_REDIS_URL") or None
     if path is None:
         return Config(redis_url=env_url, backends={}, routes={})

@@ -1,21 +1,23 @@
-"""`qrq demo`: mock judges, a GRPO-like batch, qrq against a naive sequential client."""
+"""`qrq demo`: mock judges, a GRPO-like batch, qrq against a naive loop and an asyncio client."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import errno
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-import requests
-
 from .backends.judge import JudgeBackend
-from .config import Backend, Config
+from .config import Config
+from .demo_clients import SEMAPHORE, naive_score, semaphore_score
 from .errors import ConfigError
-from .mock_judge import MockJudgeSettings, spawn, verdict
+from .mock_judge import MockJudgeProcess, MockJudgeSettings, spawn, verdict
 from .runtime import configure
 from .samples import Outcome
 
@@ -42,28 +44,6 @@ def grpo_batch(n_prompts: int = 128, group: int = 8) -> list[dict]:
     return samples
 
 
-def naive_score(backend: Backend, samples: list[dict]) -> list[float]:
-    """What a plain script does: one request after another, a fresh connection each time,
-    sleeping Retry-After on 429 so that it still gets every score right."""
-    judge = JudgeBackend(backend)
-    endpoint = backend.url.rstrip("/") + "/chat/completions"
-    scores = []
-    for sample in samples:
-        while True:
-            reply = requests.post(
-                endpoint,
-                json={"model": backend.model, "messages": judge.messages(sample), "max_tokens": 16},
-                timeout=backend.timeout_s,
-            )
-            if reply.status_code != 429:
-                break
-            time.sleep(float(reply.headers.get("retry-after", 1)))
-        reply.raise_for_status()
-        content = reply.json()["choices"][0]["message"]["content"]
-        scores.append(float(judge.pattern.search(content).group(1)))
-    return scores
-
-
 @dataclass
 class RunFigures:
     client: str
@@ -84,32 +64,62 @@ def expected_scores(config: Config, samples: list[dict], backends: list[str]) ->
     return [verdict(judges[b].render(s)) for s, b in zip(samples, backends, strict=True)]
 
 
+def port_taken(host: str, port: int) -> bool:
+    """True when something already listens on host:port (binding it fails, with the
+    SO_REUSEADDR the mock judge's server sets too, so a closed port in TIME_WAIT is free)."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
+
+
 @contextlib.contextmanager
-def mock_judges(backends: list[Backend]):
-    """One mock judge per backend, on the backend's port, enforcing the backend's limits."""
+def mock_judges(
+    config: Config, names: list[str], echo: Callable[[str], None]
+) -> Iterator[tuple[Config, list[MockJudgeProcess]]]:
+    """One mock judge per backend, enforcing its limits, on the backend's port when it is
+    free; otherwise (embedded mode) on a free port, with the backend's URL moved there.
+    Yields the configuration the demo then runs on, and the judges."""
     with contextlib.ExitStack() as stack:
-        judges = []
-        for b in backends:
-            if b.kind != "judge" or urlsplit(b.url).hostname not in ("127.0.0.1", "localhost"):
+        judges, moved = [], {}
+        for b in (config.backend(n) for n in names):
+            url = urlsplit(b.url or "")
+            if b.kind != "judge" or url.hostname not in ("127.0.0.1", "localhost"):
                 raise ConfigError(
                     f"{b.source}: the demo needs local mock judges, "
                     f"but backend {b.name!r} is a {b.kind} at {b.url}"
                 )
-            judges.append(
-                stack.enter_context(
-                    spawn(
-                        MockJudgeSettings(
-                            port=urlsplit(b.url).port or 80,
-                            rpm=b.limits.rpm or 0,
-                            tpm=b.limits.tpm or 0,
-                            max_concurrent=b.limits.max_concurrent or 0,
-                            latency_ms=DEMO_LATENCY_MS,
-                            latency_cv=DEMO_LATENCY_CV,
-                        )
+            port = url.port or 80
+            if port_taken(url.hostname, port):
+                if not config.embedded:  # worker processes read the port from the file
+                    raise ConfigError(
+                        f"{b.source}: port {port} of backend {b.name!r} is taken: stop what "
+                        "listens there, or run the demo embedded (unset QRQ_REDIS_URL), "
+                        "which picks free ports"
                     )
-                )
+                port = 0
+            settings = MockJudgeSettings(
+                port=port,
+                rpm=b.limits.rpm or 0,
+                tpm=b.limits.tpm or 0,
+                max_concurrent=b.limits.max_concurrent or 0,
+                latency_ms=DEMO_LATENCY_MS,
+                latency_cv=DEMO_LATENCY_CV,
             )
-        yield judges
+            try:
+                judge = stack.enter_context(spawn(settings))
+            except RuntimeError as exc:
+                raise ConfigError(f"{b.source}: no mock judge on port {port}: {exc}") from None
+            judges.append(judge)
+            if port == 0:
+                new_url = url._replace(netloc=urlsplit(judge.url).netloc).geturl()
+                echo(f"port {url.port} of backend {b.name!r} is taken; its mock judge runs at "
+                     f"{urlsplit(judge.url).netloc} instead")
+                moved[b.name] = dataclasses.replace(b, url=new_url)
+        yield dataclasses.replace(config, backends={**config.backends, **moved}), judges
 
 
 @contextlib.contextmanager
@@ -119,6 +129,8 @@ def demo_workers(config: Config, names: list[str]):
         yield
         return
     command = [sys.executable, "-m", "qreward_queue.cli", "worker", "--loglevel", "WARNING"]
+    if config.source != "<memory>":
+        command += ["--config", config.source]
     procs = [
         subprocess.Popen([*command, config.backend(n).source], stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL)
@@ -133,43 +145,57 @@ def demo_workers(config: Config, names: list[str]):
             p.wait(30)
 
 
-def run_demo(config: Config, echo: Callable[[str], None], route: str | None = None) -> bool:
-    """Run both clients on the same judges; True when every score matched the judge's rule."""
-    app = configure(config)
+def run_demo(
+    config: Config, echo: Callable[[str], None], route: str | None = None, prompts: int = 128
+) -> bool:
+    """Run the three clients on the same judges; True when every score matched the rule."""
     the_route = config.route(route)
-    backends = [config.backend(n) for n in the_route.backends]
-    samples = grpo_batch()
-    with mock_judges(backends) as judges, demo_workers(config, list(the_route.backends)):
-        echo(
-            "mock judges: "
-            + ", ".join(
-                f"{b.name} at {j.url} (rpm {b.limits.rpm:g}, {b.limits.max_concurrent} concurrent)"
-                for b, j in zip(backends, judges, strict=True)
+    names = list(the_route.backends)
+    samples = grpo_batch(prompts)
+    with mock_judges(config, names, echo) as (config, judges):
+        app = configure(config)
+        backends = [config.backend(n) for n in names]
+        with demo_workers(config, names):
+            echo(
+                "mock judges: "
+                + ", ".join(
+                    f"{b.name} at {j.url} (rpm {b.limits.rpm:g}, "
+                    f"{b.limits.max_concurrent} concurrent)"
+                    for b, j in zip(backends, judges, strict=True)
+                )
             )
-        )
-        echo(
-            f"scoring {len(samples)} samples (128 prompts x 8 responses), "
-            f"judge latency {DEMO_LATENCY_MS:g} ms mean"
-        )
-        rows = []
+            echo(
+                f"scoring {len(samples)} samples ({prompts} prompts x 8 responses), judge latency "
+                f"{DEMO_LATENCY_MS:g} ms mean; naive: one request at a time to {names[0]}; "
+                f"asyncio: Semaphore({SEMAPHORE}) over {', '.join(names)}; qrq: route "
+                f"{the_route.name!r}"
+            )
+            rows = []
 
-        def server_429() -> int:
-            return sum(j.stats()["rate_limited"] for j in judges)
+            def plain(client: str, scores: list[float], wall: float, used: list[str]) -> None:
+                want = expected_scores(config, samples, used)
+                server_429 = sum(j.stats()["rate_limited"] for j in judges)
+                rows.append(RunFigures(client, wall, server_429, _wrong(scores, want), 0,
+                                       len(samples)))
+                for j in judges:
+                    j.reset()
 
-        start = time.perf_counter()
-        scores = naive_score(backends[0], samples)
-        wall = time.perf_counter() - start
-        want = expected_scores(config, samples, [backends[0].name] * len(samples))
-        rows.append(RunFigures("naive", wall, server_429(), _wrong(scores, want), 0, len(samples)))
-        for j in judges:
-            j.reset()
+            start = time.perf_counter()
+            scores = naive_score(backends[0], samples)
+            plain("naive", scores, time.perf_counter() - start, [names[0]] * len(samples))
 
-        from .client import submit_batch
+            start = time.perf_counter()
+            scores = semaphore_score(backends, samples)
+            used = [names[i % len(names)] for i in range(len(samples))]
+            plain("asyncio", scores, time.perf_counter() - start, used)
 
-        start = time.perf_counter()
-        outcomes = submit_batch(samples, route=the_route.name, app=app).outcomes()
-        wall = time.perf_counter() - start
-        rows.append(qrq_figures(config, samples, outcomes, wall, server_429()))
+            from .client import submit_batch
+
+            start = time.perf_counter()
+            outcomes = submit_batch(samples, route=the_route.name, app=app).outcomes()
+            wall = time.perf_counter() - start
+            server_429 = sum(j.stats()["rate_limited"] for j in judges)
+            rows.append(qrq_figures(config, samples, outcomes, wall, server_429))
     echo(f"{'client':<8}{'wall_s':>8}{'samples/s':>11}{'server_429':>12}{'wrong':>7}{'not_ok':>8}")
     for r in rows:
         echo(
@@ -177,8 +203,11 @@ def run_demo(config: Config, echo: Callable[[str], None], route: str | None = No
             f"{r.not_ok:>8}"
         )
     ok = all(r.wrong == 0 and r.not_ok == 0 for r in rows)
+    naive, asyncio_row, qrq = rows
     echo(
-        f"speedup: {rows[0].wall_s / rows[1].wall_s:.1f}x; "
+        f"qrq: {naive.wall_s / qrq.wall_s:.1f}x the naive loop's speed, "
+        f"{asyncio_row.wall_s / qrq.wall_s:.1f}x the asyncio client's with {qrq.server_429} "
+        f"server 429s to its {asyncio_row.server_429}; "
         + ("every score matches the judge's rule" if ok else "SOME SCORES ARE WRONG OR MISSING")
     )
     return ok

@@ -27,6 +27,11 @@ def alive(node: str) -> str:
     return f"{PREFIX}alive:{node}"
 
 
+def consumers(queue: str) -> str:
+    """Set of the worker nodes whose heartbeat says they consume `queue`."""
+    return f"{PREFIX}consumers:{queue}"
+
+
 def batch_sentinel(batch_id: str) -> str:
     """Set at submit; gone means Redis lost its data (a restart without persistence)."""
     return f"{PREFIX}batch:{batch_id}"

@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
+
+import redis
 
 from .app import EmbeddedWorker, QrqCelery
-from .config import Config, load_config
+from .config import Config, load_config, redact_url
+from .errors import QrqError
 
 _lock = threading.Lock()
 _app: QrqCelery | None = None
@@ -54,8 +56,40 @@ def describe_mode(config: Config) -> str:
             "qrq: embedded mode (in-memory broker, in-process workers; "
             "set QRQ_REDIS_URL for distributed mode)"
         )
-    parts = urlsplit(config.redis_url)
-    netloc = parts.hostname or ""
-    if parts.port:
-        netloc += f":{parts.port}"
-    return f"qrq: distributed mode (Redis at {urlunsplit(parts._replace(netloc=netloc))})"
+    return f"qrq: distributed mode (Redis at {redact_url(config.redis_url)})"
+
+
+class RedisUnreachable(QrqError):
+    """Distributed mode cannot use its Redis: one line naming the URL (no password)."""
+
+
+def redis_problem(config: Config, exc: Exception) -> str:
+    """One line saying what went wrong with Redis and what to check."""
+    where, why = redact_url(config.redis_url or ""), str(exc).strip() or type(exc).__name__
+    if "DB index is out of range" in why:
+        return (
+            f"Redis at {where} has no such database ({why}): use a database number below the "
+            "server's `databases` setting (16 unless redis.conf says otherwise)"
+        )
+    if isinstance(exc, redis.AuthenticationError) or "NOAUTH" in why or "WRONGPASS" in why:
+        return f"Redis at {where} refused the credentials ({why}): check the password in the URL"
+    origin = (
+        "QRQ_REDIS_URL" if os.environ.get("QRQ_REDIS_URL") else f"[redis] url in {config.source}"
+    )
+    return (
+        f"cannot reach Redis at {where} ({why}): check that redis-server runs there "
+        f"and that {origin} names it"
+    )
+
+
+def check_redis(config: Config) -> None:
+    """Fail fast, in one line, when distributed mode cannot reach (or select) its database."""
+    if config.embedded:
+        return
+    client = redis.Redis.from_url(config.redis_url, socket_connect_timeout=3, socket_timeout=5)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        raise RedisUnreachable(redis_problem(config, exc)) from None
+    finally:
+        client.close()

@@ -84,7 +84,7 @@ def test_score_writes_one_outcome_per_line_in_order(tmp_path, config_path, judge
     in_file.write_text("\n".join(lines) + "\n")
 
     result = qrq("score", str(in_file), "-o", str(out_file), "--route", "grade", config=config_path)
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 1, result.stderr  # some samples were not scored
     assert result.stderr.splitlines()[0].startswith(MODE_LINE)
     assert "Traceback" not in result.stderr
     assert "scored 5 error, 12 ok" in result.stderr
@@ -141,7 +141,7 @@ def test_score_line_of_invalid_utf8_is_an_error_outcome(tmp_path, config_path):
     )
     result = qrq("score", str(in_file), "--route", "grade", config=config_path)
     assert "Traceback" not in result.stderr
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 1, result.stderr
     out = [json.loads(line) for line in result.stdout.splitlines()]
     assert [o["status"] for o in out] == ["ok", "error", "ok"]
     assert out[1]["error"].startswith("line 2:")
@@ -155,7 +155,7 @@ def test_score_deadline_returns_on_time_with_timeouts(tmp_path, config_path):
     result = qrq("score", str(in_file), "--route", "grade", "--deadline-s", "0.5",
                  config=config_path)
     elapsed = time.monotonic() - started
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 1, result.stderr
     out = [json.loads(line) for line in result.stdout.splitlines()]  # -o defaults to stdout
     assert [o["status"] for o in out] == ["ok", "timeout"]
     assert out[1]["score"] == -1.0

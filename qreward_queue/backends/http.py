@@ -16,11 +16,10 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import urllib3
 
-from ..config import Backend
+from ..config import Backend, redact_url
 from ..errors import PermanentError, RateLimited, TransientError
 from ..ratelimit_headers import parse_retry_after
 
@@ -35,15 +34,6 @@ class Reply:
     status_code: int
     headers: dict[str, str]
     body: Any
-
-
-def safe_url(url: str) -> str:
-    """`url` without user name or password, fit for messages and logs."""
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    if parts.port:
-        host += f":{parts.port}"
-    return urlunsplit(parts._replace(netloc=host))
 
 
 def pool_for(config: Backend) -> urllib3.PoolManager:
@@ -67,7 +57,7 @@ def post_json(config: Backend, url: str, payload: dict) -> Reply:
                 f"backend {config.name!r}) is not set"
             )
         headers["Authorization"] = f"Bearer {key}"
-    where = safe_url(url)
+    where = redact_url(url)
     deadline = time.monotonic() + config.timeout_s
     try:
         resp = pool_for(config).request(
@@ -101,7 +91,7 @@ def post_json(config: Backend, url: str, payload: dict) -> Reply:
     if resp.status >= 500:
         raise TransientError(f"server error {resp.status} from {where}", text, **facts)
     if 300 <= resp.status < 400:
-        target = safe_url(reply_headers.get("location", "?"))
+        target = redact_url(reply_headers.get("location", "?"))
         raise PermanentError(
             f"{where} redirected ({resp.status}) to {target}; qrq does not follow redirects: "
             "put the final URL in the backend file",

@@ -1,0 +1,265 @@
+"""The front door as a newcomer meets it: the installed package runs its own demo, a batch with
+no worker says so, Redis problems and unset keys are one line, exit codes tell the truth."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import redis
+import yaml
+from support import ROOT, Worker, free_port, judge_backend, wait_for, write_config
+
+from qreward_queue.app import PRIORITIES, QrqCelery
+from qreward_queue.backends.http import post_json
+from qreward_queue.config import (
+    PACKAGED_CONFIG,
+    Backend,
+    Limits,
+    advised_calls,
+    load_backend,
+    load_config,
+)
+from qreward_queue.errors import TransientError
+from qreward_queue.mock_judge import MockJudge, MockJudgeSettings
+
+
+def qrq(*args: str, cwd: Path, env: dict | None = None, timeout: float = 120):
+    """`python -m qreward_queue.cli ARGS` with no QRQ_* variables but those in `env`."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("QRQ_")}
+    return subprocess.run(
+        [sys.executable, "-m", "qreward_queue.cli", *args],
+        env={**base, **(env or {})}, cwd=cwd, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def error_line(stderr: str) -> str:
+    """stderr must be exactly one `qrq: error: ...` line: no traceback, nothing else."""
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("qrq: error: "), stderr
+    return lines[0]
+
+
+def test_packaged_defaults_are_the_repository_files():
+    packaged = PACKAGED_CONFIG.parent
+    assert (packaged / "qrq.toml").read_text() == (ROOT / "qrq.toml").read_text()
+    shipped = sorted(p.name for p in (packaged / "workers").glob("*.toml"))
+    assert shipped == sorted(p.name for p in (ROOT / "workers").glob("*.toml"))
+    for name in shipped:
+        assert (packaged / "workers" / name).read_text() == (ROOT / "workers" / name).read_text()
+
+
+@pytest.mark.timeout(600)
+def test_wheel_in_a_fresh_virtualenv_runs_the_demo_from_any_directory(tmp_path):
+    dist = tmp_path / "dist"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dist), str(ROOT)],
+        check=True, capture_output=True, timeout=300,
+    )
+    (wheel,) = dist.glob("qreward_queue-*.whl")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    subprocess.run([venv / "bin" / "pip", "install", "-q", str(wheel)], check=True,
+                   capture_output=True, timeout=400)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("QRQ_", "PYTHON"))}
+    run = subprocess.run([venv / "bin" / "qrq", "demo", "--prompts", "8"], cwd=elsewhere,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    out = run.stdout.splitlines()
+    assert out[0].startswith("qrq: embedded mode")
+    assert "example shipped with qrq" in out[1] and str(venv) in out[1]  # not the repo's file
+    assert [line.split()[0] for line in out if line.split()[0] in ("naive", "asyncio", "qrq")] \
+        == ["naive", "asyncio", "qrq"]
+    assert "every score matches the judge's rule" in out[-1]
+    version = subprocess.run([venv / "bin" / "qrq", "--version"], capture_output=True,
+                             text=True, timeout=60, cwd=elsewhere)
+    assert version.stdout.strip() == "qrq, version 0.1.0"
+
+
+def test_score_without_a_config_says_where_it_looked(tmp_path):
+    (tmp_path / "in.jsonl").write_text(json.dumps({"prompt": "p", "response": "r"}) + "\n")
+    result = qrq("score", "in.jsonl", cwd=tmp_path)
+    assert result.returncode == 2
+    line = error_line(result.stderr)
+    assert str(tmp_path / "qrq.toml") in line and "QRQ_CONFIG" in line and "--config" in line
+
+
+@pytest.mark.parametrize("command", ["status", "score"])
+def test_redis_on_a_closed_port_is_one_line_without_the_password(tmp_path, command):
+    config = write_config(tmp_path, {"j": judge_backend("http://127.0.0.1:9")},
+                          routes={"r": ["j"]})
+    (tmp_path / "in.jsonl").write_text(json.dumps({"prompt": "p", "response": "r"}) + "\n")
+    url = f"redis://:s3cret-pw@127.0.0.1:{free_port()}/0"
+    args = [command] if command == "status" else [command, "in.jsonl", "--route", "r"]
+    result = qrq(*args, cwd=tmp_path, env={"QRQ_CONFIG": str(config), "QRQ_REDIS_URL": url})
+    assert result.returncode == 2
+    line = error_line(result.stderr)
+    assert "cannot reach Redis at redis://127.0.0.1:" in line and "QRQ_REDIS_URL" in line
+    assert "s3cret-pw" not in result.stderr + result.stdout
+
+
+def test_redis_database_out_of_range_is_one_line(tmp_path):
+    result = qrq("status", cwd=tmp_path, env={"QRQ_REDIS_URL": "redis://127.0.0.1:6379/999"})
+    assert result.returncode == 2
+    line = error_line(result.stderr)
+    assert "redis://127.0.0.1:6379/999" in line and "databases" in line
+
+
+def test_score_exit_status_says_whether_samples_were_scored(tmp_path):
+    closed = f"http://127.0.0.1:{free_port()}"
+    with MockJudge(MockJudgeSettings(latency_ms=1, latency_cv=0)) as judge:
+        config = write_config(
+            tmp_path,
+            {"up": judge_backend(judge.url), "down": judge_backend(closed)},
+            routes={"up": ["up"], "down": ["down"]},
+        )
+        samples = [{"prompt": f"{i}+1?", "response": str(i + 1)} for i in range(3)]
+        (tmp_path / "in.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+        env = {"QRQ_CONFIG": str(config)}
+        every = qrq("score", "in.jsonl", "--route", "down", cwd=tmp_path, env=env)
+        assert every.returncode == 3, every.stderr
+        summary = every.stderr.strip().splitlines()[-1]
+        assert summary.startswith("scored 3 error; 3 of 3 samples not scored, most often (3x)")
+        assert f"connection to {closed}/v1/chat/completions failed" in summary
+        fine = qrq("score", "in.jsonl", "--route", "up", cwd=tmp_path, env=env)
+        assert fine.returncode == 0, fine.stderr
+        assert fine.stderr.strip().splitlines()[-1] == "scored 3 ok"
+
+
+def test_demo_with_its_ports_taken_moves_the_judges_or_names_the_port(tmp_path, redis_url):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        backend = judge_backend(f"http://127.0.0.1:{port}", rpm=6000, max_concurrent=16)
+        config = write_config(tmp_path, {"j": backend}, routes={"demo": ["j"]}, route="demo")
+        embedded = qrq("demo", "--prompts", "2", cwd=tmp_path, env={"QRQ_CONFIG": str(config)})
+        assert embedded.returncode == 0, embedded.stdout + embedded.stderr
+        assert f"port {port} of backend 'j' is taken; its mock judge runs at" \
+            in embedded.stdout
+        assert "Traceback" not in embedded.stderr
+        distributed = qrq("demo", "--prompts", "2", cwd=tmp_path,
+                          env={"QRQ_CONFIG": str(config), "QRQ_REDIS_URL": redis_url})
+    assert distributed.returncode == 2
+    line = error_line(distributed.stderr)
+    assert f"port {port} of backend 'j' is taken" in line
+
+
+def test_worker_with_an_unset_api_key_variable_refuses_to_start(tmp_path, redis_url):
+    backend = judge_backend("http://127.0.0.1:9", api_key_env="QRQ_TEST_KEY_NOBODY_SET")
+    config = write_config(tmp_path, {"j": backend}, redis_url=redis_url)
+    result = qrq("worker", str(tmp_path / "workers" / "j.toml"), cwd=tmp_path,
+                 env={"QRQ_CONFIG": str(config)}, timeout=60)
+    assert result.returncode == 2
+    line = error_line(result.stderr)
+    assert "QRQ_TEST_KEY_NOBODY_SET" in line and "is not set" in line
+    assert str(tmp_path / "workers" / "j.toml") in line
+
+
+def test_a_batch_with_no_worker_warns_within_seconds_and_keeps_waiting(tmp_path, redis_url):
+    with MockJudge(MockJudgeSettings(latency_ms=1, latency_cv=0)) as judge:
+        config = write_config(tmp_path, {"j": judge_backend(judge.url)}, redis_url=redis_url,
+                              routes={"r": ["j"]})
+        samples = [{"prompt": f"{i}+1?", "response": str(i + 1)} for i in range(4)]
+        (tmp_path / "in.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+        base = {k: v for k, v in os.environ.items() if not k.startswith("QRQ_")}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "qreward_queue.cli", "score", "in.jsonl", "--route", "r",
+             "--deadline-s", "120", "-o", "out.jsonl"],
+            env={**base, "QRQ_CONFIG": str(config)}, cwd=tmp_path,
+            stderr=subprocess.PIPE, text=True,
+        )
+        try:
+            stderr = StderrReader(proc)
+            warning = wait_for(lambda: stderr.line_with("no live worker"), timeout_s=10,
+                               what="the no-worker warning")
+            assert "queue qrq.j of backend 'j'" in warning
+            assert f"`qrq worker {tmp_path / 'workers' / 'j.toml'}`" in warning
+            assert proc.poll() is None  # still waiting for a worker
+            with Worker(config, "j"):
+                status = qrq("status", cwd=ROOT, env={"QRQ_CONFIG": str(config)})
+                (row,) = [r for r in status.stdout.splitlines() if r.startswith("j ")]
+                assert row.split()[3] == "1"  # one live worker
+                assert proc.wait(60) == 0, stderr.text()
+        finally:
+            proc.kill()
+    assert stderr.text().count("no live worker") == 1
+    out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [o["status"] for o in out] == ["ok"] * 4
+
+
+class StderrReader:
+    """Lines a running process writes to stderr, collected by a thread as they come."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.lines: list[str] = []
+        self.thread = threading.Thread(target=lambda: self.lines.extend(proc.stderr), daemon=True)
+        self.thread.start()
+
+    def line_with(self, text: str) -> str | None:
+        return next((line for line in list(self.lines) if text in line), None)
+
+    def text(self) -> str:
+        self.thread.join(10)
+        return "".join(self.lines)
+
+
+@pytest.mark.parametrize(
+    "file, latency_s, workers",
+    [("mock-a.toml", 0.025, 1), ("mock-b.toml", 0.025, 1), ("mock-rm.toml", 0.05, 1),
+     ("openai.toml.example", 1.0, 2), ("vllm-judge.toml.example", 0.5, 2)],
+)
+def test_example_pools_follow_the_sizing_rule(file, latency_s, workers):
+    backend = load_backend(ROOT / "workers" / file)
+    assert backend.pool.calls == advised_calls(backend.limits, latency_s, workers)
+
+
+def test_sizing_rule_without_any_limit_needs_the_wanted_rate():
+    assert advised_calls(Limits(), 0.02, 2, want_per_s=1000) == 30
+    with pytest.raises(ValueError):
+        advised_calls(Limits(), 0.02)
+
+
+@pytest.mark.parametrize("file", sorted(p.name for p in (ROOT / "workers").glob("*.toml")))
+def test_k8s_has_one_deployment_per_pool_scaled_on_its_real_lists(file, redis_url):
+    backend = load_backend(ROOT / "workers" / file)
+    docs = list(yaml.safe_load_all((ROOT / "deploy" / "k8s" / f"worker-{backend.name}.yaml")
+                                   .read_text()))
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    (scaler,) = [d for d in docs if d["kind"] == "ScaledObject"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["qrq", "worker", f"workers/{file}"]
+    assert scaler["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
+    env = {e["name"] for e in container["env"]}
+    triggers = [t["metadata"] for t in scaler["spec"]["triggers"]]
+    for trigger in triggers:  # KEDA reads these variables from the target's container
+        assert {trigger["addressFromEnv"], trigger["passwordFromEnv"]} <= env
+    # Given one message per priority on the backend's queue, the triggers name those lists
+    config = load_config(ROOT / "qrq.toml")
+    app = QrqCelery(dataclasses.replace(config, redis_url=redis_url))
+    for priority in PRIORITIES.values():
+        app.send_task("qrq.score_chunk", kwargs={}, queue=backend.queue, priority=priority)
+    store = redis.Redis.from_url(redis_url)
+    lists = {k.decode() for k in store.keys("qrq:qrq.*") if store.type(k) == b"list"}
+    assert {t["listName"] for t in triggers} == lists
+    assert all(store.llen(t["listName"]) == 1 for t in triggers)
+
+
+def test_connection_failure_names_the_url_without_credentials():
+    port = free_port()
+    backend = Backend(name="j", kind="judge", url=f"http://user:pa55word@127.0.0.1:{port}/v1",
+                      model="m", timeout_s=2)
+    with pytest.raises(TransientError) as caught:
+        post_json(backend, f"{backend.url}/chat/completions", {"x": 1})
+    assert f"connection to http://127.0.0.1:{port}/v1/chat/completions failed" \
+        in str(caught.value)
+    assert "pa55word" not in str(caught.value) and "user" not in str(caught.value)
