@@ -19,10 +19,12 @@ from celery.backends.redis import RedisBackend
 from celery.signals import task_received, worker_ready
 from kombu import Queue
 
-from . import tasks
+from . import kombu_fix, tasks
 from .breaker import CircuitBreaker
 from .config import Backend, Config
 from .limiter import Limiter
+
+kombu_fix.install()  # a Redis restart must not kill the worker (see kombu_fix)
 
 PRIORITIES = {"val": 0, "train": 6, "bulk": 9}  # on Redis 0 is served first
 

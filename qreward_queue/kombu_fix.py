@@ -1,0 +1,45 @@
+"""Keep a worker alive when Redis restarts under it (kombu 5.7.0's Redis transport).
+
+Why: after a lost connection Celery calls `Connection.collect()` and then `close()`. When
+`collect()` is cut short (a socket timeout while the channel drains its BRPOP), kombu has
+already set `transport.client = None`; the second close then restores unacked messages,
+needs a new connection pool, and `Channel._connparams` reads `self.connection.client.hostname`:
+`AttributeError: 'NoneType' object has no attribute 'hostname'`, which is not a connection
+error, so it escapes `ignore_errors` and kills the worker ("Unrecoverable error").
+
+The fix: remember the connection parameters while the kombu Connection is open and reuse them
+once it is gone, so the restore (and late acks of tasks still running) reach Redis as kombu
+intends; with nothing remembered, raise a redis ConnectionError, which kombu and Celery
+already treat as "broker unavailable, reconnect". Applied to kombu's Redis Channel class once
+per process by `install()`; harmless where the bug does not trigger.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import redis
+from kombu.transport import redis as kombu_redis
+
+_MARK = "_qrq_keeps_connparams"
+
+
+def install() -> None:
+    """Patch `kombu.transport.redis.Channel._connparams` (idempotent)."""
+    channel = kombu_redis.Channel
+    original = channel._connparams
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def _connparams(self, asynchronous: bool = False) -> dict:
+        remembered = self.__dict__.setdefault("_qrq_connparams", {})
+        if self.connection.client is not None:
+            remembered[asynchronous] = params = original(self, asynchronous=asynchronous)
+            return dict(params)
+        if asynchronous in remembered:
+            return dict(remembered[asynchronous])
+        raise redis.ConnectionError("the broker connection was closed before this channel")
+
+    setattr(_connparams, _MARK, True)
+    channel._connparams = _connparams
