@@ -6,6 +6,7 @@ restarts run on a PRIVATE redis-server (tests/support.py PrivateRedis), never th
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -68,6 +69,49 @@ def test_workers_survive_three_redis_restarts_mid_batch(tmp_path, stack):
     # ...and still consuming: a new batch reaches every one of them
     before = [tasks_received(w) for w in workers]
     more = samples_for(60, "after")
-    assert_all_right(app, "j", more, qreward_queue.submit_batch(more, route="j", app=app).outcomes())
+    batch = qreward_queue.submit_batch(more, route="j", app=app)
+    assert_all_right(app, "j", more, batch.outcomes())
     after = [tasks_received(w) for w in workers]
     assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
+
+
+POISON_BODIES = ["str", {"a": 1}, [[], {}], None]
+
+
+def test_malformed_task_messages_are_dead_lettered_and_the_worker_keeps_consuming(
+    tmp_path, redis_url, redis_client, stack
+):
+    # Given one worker on a judge's queue
+    judge = stack.enter_context(spawn(MockJudgeSettings(latency_ms=5)))
+    config_path = write_config(tmp_path, {"j": judge_backend(judge.url)}, redis_url=redis_url)
+    app = qreward_queue.configure(qreward_queue.load_config(config_path))
+    (worker,) = start_workers(config_path, [("j", "poison@chaos")])
+    stack.callback(worker.kill)
+    # When task messages with valid JSON bodies of the wrong shape arrive, published as any
+    # kombu client could, with the headers of a real qrq task
+    with app.connection_for_write() as conn:
+        producer = conn.Producer(serializer="json")
+        for i, body in enumerate(POISON_BODIES):
+            producer.publish(
+                body, routing_key="qrq.j", priority=0,
+                headers={"task": "qrq.score_chunk", "id": f"poison-{i}", "lang": "py"},
+            )
+    wait_for(lambda: redis_client.llen("qrq:dead-letters") >= len(POISON_BODIES), 20,
+             "the malformed messages to be rejected")
+    # Then a normal batch behind them is scored in full by the same, living worker
+    samples = samples_for(12, "after-poison")
+    outcomes = qreward_queue.submit_batch(samples, route="j", app=app, deadline_s=60).outcomes()
+    assert worker.proc.poll() is None, worker.log.read_text()[-3000:]
+    assert_all_right(app, "j", samples, outcomes)
+    # and each bad message is kept once, inspectable, with the reason, and not requeued
+    from qreward_queue import dead_letter
+
+    letters = dead_letter.read(redis_client)
+    assert sorted(json.loads(d["body"]) is None for d in letters) == [False] * 3 + [True]
+    assert {d["headers"]["id"] for d in letters} == {f"poison-{i}" for i in range(4)}
+    assert all("malformed task message" in d["reason"] for d in letters), letters
+    assert [json.loads(d["body"]) for d in reversed(letters)] == POISON_BODIES
+    log = worker.log.read_text()
+    assert log.count("Received invalid task message") == len(POISON_BODIES), log[-3000:]
+    assert "Unrecoverable error" not in log
+    assert redis_client.llen("qrq:dead-letters") == len(POISON_BODIES)
