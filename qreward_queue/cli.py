@@ -142,7 +142,10 @@ def worker(
     loglevel: str,
 ) -> None:
     """Run a Celery worker for one backend: its queue, pool and rate limit from BACKEND_FILE."""
+    from celery.signals import after_setup_logger, after_setup_task_logger
+
     from .app import QrqCelery
+    from .redact import install_log_filter
     from .tasks import TASK_NAME
 
     config = load_config(config_path)
@@ -178,6 +181,8 @@ def worker(
     click.echo(
         describe_mode(config) + f"; worker for backend {backend.name!r} on queue {backend.queue}"
     )
+    for logging_ready in (after_setup_logger, after_setup_task_logger):  # no key in a log line
+        logging_ready.connect(lambda logger, **_: install_log_filter(logger), weak=False)
     app.worker_main(argv)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError, UnknownRoute
+from .redact import remember
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -105,8 +106,11 @@ class Backend:
         return f"qrq.{self.name}"
 
     def api_key(self) -> str | None:
-        """Read the key from the environment at call time; it never enters a message."""
-        return os.environ.get(self.api_key_env) if self.api_key_env else None
+        """Read the key from the environment at call time; it never enters a message, and
+        from now on this process redacts it wherever a backend's reply quotes it."""
+        key = os.environ.get(self.api_key_env) if self.api_key_env else None
+        remember(key)
+        return key
 
 
 @dataclass(frozen=True)

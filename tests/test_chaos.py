@@ -7,6 +7,7 @@ restarts run on a PRIVATE redis-server (tests/support.py PrivateRedis), never th
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import pytest
@@ -14,9 +15,11 @@ from support import (
     PrivateRedis,
     expected,
     judge_backend,
+    redis_contents,
     start_workers,
     tasks_received,
     wait_for,
+    with_message_bodies,
     write_config,
 )
 
@@ -55,7 +58,8 @@ def test_workers_survive_three_redis_restarts_mid_batch(tmp_path, stack):
     # When Redis is SIGKILLed three times mid-batch, each time back (empty) 3 s later
     for restart in range(3):
         target = batch.completed + 40
-        wait_for(lambda t=target: batch.completed >= t, timeout_s=60, what=f"progress {restart}")
+        wait_for(lambda t=target: batch.completed >= t, timeout_s=60,
+                 what=f"progress {restart} ({batch.completed} done, {batch.resubmitted} resent)")
         assert batch.completed < len(samples), "the batch finished before the restarts"
         server.kill()
         time.sleep(3)
@@ -115,3 +119,80 @@ def test_malformed_task_messages_are_dead_lettered_and_the_worker_keeps_consumin
     assert log.count("Received invalid task message") == len(POISON_BODIES), log[-3000:]
     assert "Unrecoverable error" not in log
     assert redis_client.llen("qrq:dead-letters") == len(POISON_BODIES)
+
+
+class EchoingJudge:
+    """A hostile chat-completions server that quotes the caller's API key back, by prompt:
+    `mode:401` (OpenAI-style partial quote plus the raw header), `mode:500` (the raw header
+    in a plain-text error) or `mode:200` (the key inside an otherwise valid verdict)."""
+
+    def __init__(self):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                auth = self.headers.get("Authorization", "")
+                key = auth.removeprefix("Bearer ")
+                prompt = body["messages"][-1]["content"]
+                if "mode:401" in prompt:
+                    status, ctype, reply = 401, "application/json", json.dumps({"error": {
+                        "message": f"Incorrect API key provided: {key[:8]}****{key[-4:]}; "
+                                   f"you sent {auth}"}})
+                elif "mode:500" in prompt:
+                    status, ctype, reply = 500, "text/plain", f"proxy failed; headers: {auth}"
+                else:
+                    status, ctype, reply = 200, "application/json", json.dumps({
+                        "choices": [{"message": {"content": f"key {key} ok. Score: 0.5"}}],
+                        "usage": {"total_tokens": 10}})
+                data = reply.encode()
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_an_api_key_echoed_by_the_backend_is_stored_nowhere(
+    tmp_path, redis_url, redis_client, stack
+):
+    # Given a judge that quotes the API key it receives in 401, 500 and 200 replies
+    key = "qrq-test-" + "Zq81xLmP4vTr6NbK2" * 3
+    echo = EchoingJudge()
+    stack.callback(echo.close)
+    backend = judge_backend(echo.url, api_key_env="CHAOS_JUDGE_KEY")
+    backend["retry"].update(attempts=2)
+    config_path = write_config(tmp_path, {"j": backend}, redis_url=redis_url)
+    app = qreward_queue.configure(qreward_queue.load_config(config_path))
+    (worker,) = start_workers(config_path, [("j", "echo@chaos", {"CHAOS_JUDGE_KEY": key})])
+    stack.callback(worker.kill)
+    # When samples of every kind are scored
+    modes = ["401", "500", "200"]
+    samples = [{"prompt": f"mode:{m} #{i}", "response": "r"} for m in modes for i in range(2)]
+    outcomes = qreward_queue.submit_batch(samples, route="j", app=app, deadline_s=60).outcomes()
+    # Then the replies are reported (errors for 401/500, the verdict for 200)...
+    assert [o.status for o in outcomes] == ["error"] * 4 + ["ok"] * 2, outcomes
+    assert "401" in outcomes[0].error and "500" in outcomes[2].error, outcomes
+    assert [o.score for o in outcomes[4:]] == [0.5, 0.5]
+    assert all("[REDACTED]" in (o.detail or "") for o in outcomes), outcomes
+    # ...but neither the key nor any long part of it is in an outcome, in Redis, or in the log
+    leaks = [key, key[:12], key[-12:], key[20:30]]
+    for outcome in outcomes:
+        assert not any(leak in repr(outcome) for leak in leaks), outcome
+    stored = [v for _, value in redis_contents(redis_client) for v in with_message_bodies(value)]
+    assert stored, "nothing was stored in Redis"
+    for value in stored:
+        assert not any(leak.encode() in value for leak in leaks), value[:300]
+    log = worker.log.read_text()
+    assert "succeeded" in log and not any(leak in log for leak in leaks), log[-3000:]
