@@ -121,30 +121,17 @@ def test_malformed_task_messages_are_dead_lettered_and_the_worker_keeps_consumin
     assert redis_client.llen("qrq:dead-letters") == len(POISON_BODIES)
 
 
-class EchoingJudge:
-    """A hostile chat-completions server that quotes the caller's API key back, by prompt:
-    `mode:401` (OpenAI-style partial quote plus the raw header), `mode:500` (the raw header
-    in a plain-text error) or `mode:200` (the key inside an otherwise valid verdict)."""
+class HostileServer:
+    """A backend of the tests' own on 127.0.0.1: `respond(request_json, headers)` returns
+    (status, content type, body text) for each POST, whatever the path."""
 
-    def __init__(self):
+    def __init__(self, respond):
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                auth = self.headers.get("Authorization", "")
-                key = auth.removeprefix("Bearer ")
-                prompt = body["messages"][-1]["content"]
-                if "mode:401" in prompt:
-                    status, ctype, reply = 401, "application/json", json.dumps({"error": {
-                        "message": f"Incorrect API key provided: {key[:8]}****{key[-4:]}; "
-                                   f"you sent {auth}"}})
-                elif "mode:500" in prompt:
-                    status, ctype, reply = 500, "text/plain", f"proxy failed; headers: {auth}"
-                else:
-                    status, ctype, reply = 200, "application/json", json.dumps({
-                        "choices": [{"message": {"content": f"key {key} ok. Score: 0.5"}}],
-                        "usage": {"total_tokens": 10}})
+                status, ctype, reply = respond(body, self.headers)
                 data = reply.encode()
                 self.send_response(status)
                 self.send_header("Content-Type", ctype)
@@ -164,13 +151,38 @@ class EchoingJudge:
         self.server.server_close()
 
 
+def hostile(stack, respond) -> HostileServer:
+    server = HostileServer(respond)
+    stack.callback(server.close)
+    return server
+
+
+def chat_reply(content: str, total_tokens: int | str = 10) -> tuple[int, str, str]:
+    """A 200 chat completion; `total_tokens` as text is pasted into the JSON as is."""
+    reply = json.dumps({"choices": [{"message": {"content": content}}], "usage": "USAGE"})
+    return 200, "application/json", reply.replace('"USAGE"', f'{{"total_tokens": {total_tokens}}}')
+
+
+def echo_the_key(body: dict, headers) -> tuple[int, str, str]:
+    """By prompt: `mode:401` (OpenAI-style partial quote plus the raw header), `mode:500`
+    (the raw header in a plain-text error) or else the key inside a valid verdict."""
+    auth = headers.get("Authorization", "")
+    key = auth.removeprefix("Bearer ")
+    prompt = body["messages"][-1]["content"]
+    if "mode:401" in prompt:
+        message = f"Incorrect API key provided: {key[:8]}****{key[-4:]}; you sent {auth}"
+        return 401, "application/json", json.dumps({"error": {"message": message}})
+    if "mode:500" in prompt:
+        return 500, "text/plain", f"proxy failed; headers: {auth}"
+    return chat_reply(f"key {key} ok. Score: 0.5")
+
+
 def test_an_api_key_echoed_by_the_backend_is_stored_nowhere(
     tmp_path, redis_url, redis_client, stack
 ):
     # Given a judge that quotes the API key it receives in 401, 500 and 200 replies
     key = "qrq-test-" + "Zq81xLmP4vTr6NbK2" * 3
-    echo = EchoingJudge()
-    stack.callback(echo.close)
+    echo = hostile(stack, echo_the_key)
     backend = judge_backend(echo.url, api_key_env="CHAOS_JUDGE_KEY")
     backend["retry"].update(attempts=2)
     config_path = write_config(tmp_path, {"j": backend}, redis_url=redis_url)
@@ -196,3 +208,72 @@ def test_an_api_key_echoed_by_the_backend_is_stored_nowhere(
         assert not any(leak.encode() in value for leak in leaks), value[:300]
     log = worker.log.read_text()
     assert "succeeded" in log and not any(leak in log for leak in leaks), log[-3000:]
+
+
+VERDICTS = {  # what the judge says -> how qrq must report it
+    "Score: 1e309": "score '1e309' is not a finite number",
+    "Score: -5": "score '-5' is outside score_range [0, 1]",
+    "Score: 0.2. On reflection, Score: 0.9": "2 different scores in the judge's reply",
+    "Score: 1.5": "score '1.5' is outside score_range [0, 1]",
+    "Score: 0.7. Again: Score: 0.7": None,
+    "Score: 0.25": None,
+}
+
+
+def test_out_of_range_non_finite_and_ambiguous_scores_are_errors_quoting_the_reply(
+    tmp_path, redis_url, stack
+):
+    # Given a judge that answers each prompt with the verdict the prompt names, on a backend
+    # whose (default) prompt asks for a score from 0 to 1
+    judge = hostile(stack, lambda body, _: chat_reply(
+        body["messages"][-1]["content"].split("say<")[1].split(">")[0]))
+    config_path = write_config(tmp_path, {"j": judge_backend(judge.url)}, redis_url=redis_url)
+    app = qreward_queue.configure(qreward_queue.load_config(config_path))
+    (worker,) = start_workers(config_path, [("j", "scores@chaos")])
+    stack.callback(worker.kill)
+    # When every verdict is scored
+    samples = [{"prompt": f"say<{v}>", "response": "r"} for v in VERDICTS]
+    outcomes = qreward_queue.submit_batch(samples, route="j", app=app, deadline_s=60).outcomes()
+    # Then the wrong ones are errors that say why and quote the reply, the right ones are ok
+    for (verdict, why), outcome in zip(VERDICTS.items(), outcomes, strict=True):
+        if why is None:
+            assert outcome.status == "ok" and outcome.score == float(verdict[-4:]), outcome
+        else:
+            assert outcome.status == "error" and why in outcome.error, (verdict, outcome)
+            assert verdict in outcome.detail, outcome
+    assert worker.proc.poll() is None
+
+
+HUGE = "9" * 400
+
+
+def test_huge_numbers_fail_only_their_own_item(tmp_path, redis_url, stack):
+    # Given a reward model that gives one item of each call a 400-digit score and reports a
+    # 400-digit token count, and a judge that reports a 400-digit token count
+    def reward_model(body, _):
+        scores = ["0.5" if "huge" not in it["prompt"] else HUGE for it in body["items"]]
+        return 200, "application/json", (
+            f'{{"scores": [{", ".join(scores)}], "usage": {{"total_tokens": {HUGE}}}}}')
+
+    rm = hostile(stack, reward_model)
+    judge = hostile(stack, lambda body, _: chat_reply("Score: 0.5", total_tokens=HUGE))
+    config_path = write_config(tmp_path, {
+        "rm": {"backend": {"kind": "reward_model", "url": rm.url, "batch_size": 8},
+               "limits": {"tpm": 10_000_000}, "retry": {"attempts": 1}},
+        "j": judge_backend(judge.url, max_concurrent=8),
+    }, redis_url=redis_url)
+    app = qreward_queue.configure(qreward_queue.load_config(config_path))
+    workers = start_workers(config_path, [("rm", "rm@chaos"), ("j", "j@chaos")])
+    for worker in workers:
+        stack.callback(worker.kill)
+    # When a chunk of 8 with one huge score, and judge samples, are scored
+    samples = [{"prompt": f"{'huge' if i == 3 else 'fine'} {i}", "response": "r"} for i in range(8)]
+    rm_outcomes = qreward_queue.submit_batch(samples, route="rm", app=app, deadline_s=60).outcomes()
+    judged = qreward_queue.submit_batch(samples[:4], route="j", app=app, deadline_s=60).outcomes()
+    # Then only the huge item is an error, with a clear message; the other 7 are scored
+    assert [o.status for o in rm_outcomes] == ["ok"] * 3 + ["error"] + ["ok"] * 4, rm_outcomes
+    assert "scores[3] is too large for a float" in rm_outcomes[3].error, rm_outcomes[3]
+    assert {o.score for i, o in enumerate(rm_outcomes) if i != 3} == {0.5}
+    # and a garbage token count only means "usage unknown": the judge's verdicts stand
+    assert [(o.status, o.score) for o in judged] == [("ok", 0.5)] * 4, judged
+    assert all(w.proc.poll() is None for w in workers)
