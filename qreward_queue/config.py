@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError, UnknownRoute
+from .ratelimit_headers import DEFAULT_MAX_PAUSE_S
 from .redact import remember
 
 if sys.version_info >= (3, 11):
@@ -58,6 +59,7 @@ class Limits:
     tpm: float | None = None
     max_concurrent: int | None = None
     burst_s: float = 1.0
+    max_pause_s: float = DEFAULT_MAX_PAUSE_S  # the longest pause one backend reply can order
 
 
 @dataclass(frozen=True)
@@ -251,6 +253,7 @@ def _limits(t: _Table) -> Limits:
         tpm=tpm or None,
         max_concurrent=t.integer("max_concurrent", None, minimum=0) or None,
         burst_s=t.number("burst_s", 1.0),
+        max_pause_s=t.number("max_pause_s", DEFAULT_MAX_PAUSE_S),
     )
     t.finish()
     return limits
