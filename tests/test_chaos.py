@@ -277,3 +277,25 @@ def test_huge_numbers_fail_only_their_own_item(tmp_path, redis_url, stack):
     # and a garbage token count only means "usage unknown": the judge's verdicts stand
     assert [(o.status, o.score) for o in judged] == [("ok", 0.5)] * 4, judged
     assert all(w.proc.poll() is None for w in workers)
+
+
+def test_flower_port_is_private_in_compose_and_kubernetes():
+    # Flower answers /metrics and /healthcheck without credentials, so no deployment file
+    # may publish its port beyond the host (compose) or the cluster (Kubernetes)
+    import yaml
+    from support import ROOT
+
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    ports = [str(p) for p in compose["flower"].get("ports", [])]
+    assert ports and all(p.startswith("127.0.0.1:") for p in ports), ports
+    docs = [d for f in sorted((ROOT / "deploy" / "k8s").glob("*.yaml"))
+            for d in yaml.safe_load_all(f.read_text()) if d]
+    flower = [d for d in docs if "flower" in d["metadata"]["name"]]
+    kinds = {d["kind"] for d in flower}
+    assert {"Deployment", "Service", "NetworkPolicy"} <= kinds, kinds
+    assert not any(d["kind"] == "Ingress" for d in docs)
+    for service in (d for d in docs if d["kind"] == "Service"):
+        assert service["spec"].get("type", "ClusterIP") == "ClusterIP", service
+        assert not any("nodePort" in p for p in service["spec"]["ports"]), service
+    (policy,) = (d for d in flower if d["kind"] == "NetworkPolicy")
+    assert policy["spec"]["ingress"][0]["from"], "the policy must name who may connect"
