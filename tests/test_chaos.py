@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+import redis
 from support import (
     PrivateRedis,
     expected,
@@ -58,8 +59,14 @@ def test_workers_survive_three_redis_restarts_mid_batch(tmp_path, stack):
     # When Redis is SIGKILLed three times mid-batch, each time back (empty) 3 s later
     for restart in range(3):
         target = batch.completed + 40
-        wait_for(lambda t=target: batch.completed >= t, timeout_s=60,
-                 what=f"progress {restart} ({batch.completed} done, {batch.resubmitted} resent)")
+        try:
+            wait_for(lambda t=target: batch.completed >= t, timeout_s=60, what="progress")
+        except AssertionError:
+            raise AssertionError(
+                f"no progress after restart {restart}: {batch.completed} done, "
+                f"{batch.resubmitted} resent, {len(batch._pending)} pending, Redis keys "
+                f"{sorted(redis.Redis.from_url(server.url).keys())[:20]}"
+            ) from None
         assert batch.completed < len(samples), "the batch finished before the restarts"
         server.kill()
         time.sleep(3)
