@@ -40,6 +40,28 @@ def assert_all_right(app, backend: str, samples: list[dict], outcomes) -> None:
         assert outcome.score == expected(app, backend, sample), (i, outcome)
 
 
+def test_a_channel_closed_after_kombu_dropped_its_client_still_restores_unacked(redis_url):
+    # Given a kombu Redis channel holding one unacknowledged message (as a worker does), in
+    # the state a Redis restart leaves it in when Celery's Connection.collect() is cut short:
+    # the pools dropped and the transport's client gone, the channel itself not yet closed
+    from kombu import Connection, Queue
+
+    import qreward_queue.app  # noqa: F401  (installs kombu_fix, as every qrq process does)
+
+    with Connection(redis_url) as conn:
+        channel = conn.default_channel
+        queue = Queue("chaos.kombu", routing_key="chaos.kombu")(channel)
+        queue.declare()
+        conn.Producer(channel).publish({"n": 1}, routing_key="chaos.kombu", serializer="json")
+        assert queue.get(no_ack=False).payload == {"n": 1}
+        channel._disconnect_pools()
+        conn.transport.client = None
+        # When the channel closes (kombu 5.7.0 alone: AttributeError ... 'hostname')
+        channel.close()
+    # Then the unacked message is back on its queue, for the next worker
+    assert redis.Redis.from_url(redis_url).llen("chaos.kombu") == 1
+
+
 @pytest.mark.slow
 def test_workers_survive_three_redis_restarts_mid_batch(tmp_path, stack):
     # Given a private Redis without persistence, three workers and a judge at ~100 ms a call
