@@ -152,10 +152,13 @@ def test_malformed_task_messages_are_dead_lettered_and_the_worker_keeps_consumin
 
 class HostileServer:
     """A backend of the tests' own on 127.0.0.1: `respond(request_json, headers)` returns
-    (status, content type, body text) for each POST, whatever the path."""
+    (status, content type, body text) for each POST, whatever the path; `extra_headers` are
+    sent with every reply."""
 
     def __init__(self, respond):
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        outer, self.extra_headers = self, {}
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
@@ -163,6 +166,8 @@ class HostileServer:
                 status, ctype, reply = respond(body, self.headers)
                 data = reply.encode()
                 self.send_response(status)
+                for name, value in outer.extra_headers.items():
+                    self.send_header(name, value)
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
@@ -328,3 +333,23 @@ def test_flower_port_is_private_in_compose_and_kubernetes():
         assert not any("nodePort" in p for p in service["spec"]["ports"]), service
     (policy,) = (d for d in flower if d["kind"] == "NetworkPolicy")
     assert policy["spec"]["ingress"][0]["from"], "the policy must name who may connect"
+
+
+def test_rate_limit_headers_of_a_hostile_backend_cannot_stop_it(tmp_path, redis_url, stack):
+    # Given a judge under a global limiter whose every reply claims a limit of 0 requests and
+    # a reset 1e308 seconds away (before: a learned rate of 0, OverflowError in every task,
+    # and an expiry Redis refuses)
+    judge = hostile(stack, lambda body, _: chat_reply("Score: 0.5"))
+    judge.extra_headers = {"x-ratelimit-limit-requests": "0", "x-ratelimit-reset-requests": "1e308",
+                           "x-ratelimit-limit-tokens": "-1", "x-ratelimit-reset-tokens": "junk"}
+    config_path = write_config(tmp_path, {"j": judge_backend(judge.url, rpm=6000)},
+                               redis_url=redis_url)
+    app = qreward_queue.configure(qreward_queue.load_config(config_path))
+    (worker,) = start_workers(config_path, [("j", "headers@chaos")])
+    stack.callback(worker.kill)
+    # When two batches are scored one after the other
+    samples = samples_for(20, "headers")
+    first = qreward_queue.submit_batch(samples, route="j", app=app, deadline_s=60).outcomes()
+    second = qreward_queue.submit_batch(samples, route="j", app=app, deadline_s=60).outcomes()
+    # Then every sample of both is scored: the bad values were ignored or bounded
+    assert [(o.status, o.score) for o in first + second] == [("ok", 0.5)] * 40, first + second
