@@ -1,4 +1,4 @@
-"""qrq: demo, score, worker, status, mock-judge. Errors are one clear line, not a traceback."""
+"""qrq: demo, score, worker, status, dead-letters, mock-judge. Errors are one clear line."""
 
 from __future__ import annotations
 
@@ -195,6 +195,22 @@ def status(config_path: str | None) -> None:
     config = load_config(config_path)
     click.echo(describe_mode(config))
     click.echo(render_status(config))
+
+
+@cli.command("dead-letters")
+@config_option
+@click.option("--limit", default=20, show_default=True, help="How many, newest first.")
+def dead_letters(config_path: str | None, limit: int) -> None:
+    """Malformed task messages the workers refused, one JSON line each (newest first)."""
+    import redis
+
+    from .dead_letter import read
+
+    config = load_config(config_path)
+    if config.embedded:
+        raise ConfigError("qrq dead-letters needs Redis: set QRQ_REDIS_URL or [redis] url")
+    for entry in read(redis.Redis.from_url(config.redis_url), limit):
+        click.echo(json.dumps(entry))
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import redis
+from click.testing import CliRunner
 from support import (
     PrivateRedis,
     expected,
@@ -25,6 +26,7 @@ from support import (
 )
 
 import qreward_queue
+from qreward_queue.cli import cli
 from qreward_queue.mock_judge import MockJudgeSettings, spawn
 
 FALLBACK = -1.0
@@ -148,6 +150,10 @@ def test_malformed_task_messages_are_dead_lettered_and_the_worker_keeps_consumin
     assert log.count("Received invalid task message") == len(POISON_BODIES), log[-3000:]
     assert "Unrecoverable error" not in log
     assert redis_client.llen("qrq:dead-letters") == len(POISON_BODIES)
+    shown = CliRunner().invoke(cli, ["dead-letters", "--config", str(config_path)])
+    assert shown.exit_code == 0, shown.output
+    assert [json.loads(line)["headers"]["id"] for line in shown.output.splitlines()] == [
+        f"poison-{i}" for i in reversed(range(len(POISON_BODIES)))]
 
 
 class HostileServer:
