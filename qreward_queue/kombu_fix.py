@@ -1,11 +1,14 @@
 """Keep a worker alive when Redis restarts under it (kombu 5.7.0's Redis transport).
 
-Why: after a lost connection Celery calls `Connection.collect()` and then `close()`. When
-`collect()` is cut short (a socket timeout while the channel drains its BRPOP), kombu has
-already set `transport.client = None`; the second close then restores unacked messages,
-needs a new connection pool, and `Channel._connparams` reads `self.connection.client.hostname`:
-`AttributeError: 'NoneType' object has no attribute 'hostname'`, which is not a connection
-error, so it escapes `ignore_errors` and kills the worker ("Unrecoverable error").
+Why: after a lost connection Celery calls `Connection.collect()` and then `close()`. In
+`collect()` the channel's first close fails while it drains its pending BRPOP from the dead
+socket (a redis ConnectionError, which kombu swallows), so the channel is left half-closed,
+and kombu then sets `transport.client = None`. The second close finishes the job: it restores
+the unacked messages, needs a new connection pool, and `Channel._connparams` reads
+`self.connection.client.hostname`: `AttributeError: 'NoneType' object has no attribute
+'hostname'`, not a connection error, so it escapes `ignore_errors` and kills the worker
+("Unrecoverable error"). Whether the first close fails depends on timing: in our test, one
+run in two with three workers and three Redis restarts.
 
 The fix: remember the connection parameters while the kombu Connection is open and reuse them
 once it is gone, so the restore (and late acks of tasks still running) reach Redis as kombu
