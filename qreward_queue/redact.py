@@ -25,15 +25,20 @@ _PATTERNS = re.compile(
 )
 _lock = threading.Lock()
 _secrets: tuple[str, ...] = ()
+_any_piece: re.Pattern[str] | None = None  # a quick test: could `text` quote any secret?
 
 
 def remember(secret: str | None) -> None:
     """Redact `secret` (and any run of MIN_QUOTE characters of it) from now on, here."""
-    global _secrets
+    global _secrets, _any_piece
     if not secret or len(secret) < MIN_QUOTE or secret in _secrets:
         return
     with _lock:
         _secrets = (*_secrets, secret)
+        pieces = {
+            s[m : m + _PIECE] for s in _secrets for m in range(0, len(s) - _PIECE + 1, _PIECE)
+        }
+        _any_piece = re.compile("|".join(map(re.escape, sorted(pieces))))
 
 
 def redact(text: str | None) -> str | None:
@@ -43,6 +48,8 @@ def redact(text: str | None) -> str | None:
     lowered = text.lower()
     if "bearer" in lowered or "sk-" in lowered:  # the regex costs more than these two scans
         text = _PATTERNS.sub(lambda m: f"{m.group(1)} {MASK}" if m.group(1) else MASK, text)
+    if _any_piece is None or not _any_piece.search(text):
+        return text
     spans = sorted(span for secret in _secrets for span in _quoted_runs(text, secret))
     if not spans:
         return text

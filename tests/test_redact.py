@@ -17,6 +17,7 @@ KEY = "qrq-unit-Hx7Lp2Qw9Zr4Tn8Vb3Mk"
 @pytest.fixture(autouse=True)
 def remembered(monkeypatch):
     monkeypatch.setattr(r, "_secrets", ())
+    monkeypatch.setattr(r, "_any_piece", None)
     r.remember(KEY)
 
 
