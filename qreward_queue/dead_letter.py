@@ -5,7 +5,8 @@ main process; a JSON body of the wrong shape (`"str"`, `{"a": 1}`, `[[], {}]`, `
 ValueError/TypeError there, which is an "Unrecoverable error": the worker exits, the message
 goes back to the queue and kills the next worker. `checked_strategy` turns such a body into
 Celery's own `InvalidTaskError`, which Celery logs once and rejects without requeue; the
-`task_rejected` handler then keeps the message in the Redis list `DEAD_LETTER_KEY` (newest
+`task_rejected` handler then keeps the message (an undecodable body, which Celery logs and
+drops on its own, is kept too) in the Redis list `DEAD_LETTER_KEY` (newest
 first, at most `MAX_DEAD_LETTERS`), read back with `read()` or `LRANGE qrq:dead-letters 0 -1`.
 """
 
@@ -20,6 +21,7 @@ import redis
 from celery.exceptions import InvalidTaskError
 from celery.signals import task_rejected
 from celery.worker.strategy import default as default_strategy
+from kombu.exceptions import DecodeError
 
 DEAD_LETTER_KEY = "qrq:dead-letters"
 MAX_DEAD_LETTERS = 1000
@@ -53,7 +55,11 @@ def checked_strategy(task, app, consumer, **kwargs):
     def task_message_handler(message, body, *args, **kw):
         problem = header_problem(message.headers)
         if problem is None and body is None:  # protocol 2: Celery unpacks the payload itself
-            problem = body_problem(message.payload)
+            try:
+                problem = body_problem(message.payload)
+            except DecodeError as exc:  # Celery logs and drops it; keep a copy first
+                keep(app, message, f"undecodable task message: {exc}")
+                raise
         if problem is not None:
             raise InvalidTaskError(f"malformed task message: {problem}")
         return handle(message, body, *args, **kw)
@@ -92,11 +98,14 @@ def read(client: redis.Redis, limit: int = 100) -> list[dict]:
     return [json.loads(raw) for raw in client.lrange(DEAD_LETTER_KEY, 0, limit - 1)]
 
 
+def keep(app, message, reason: str) -> None:
+    """Record `message` through the app's store; Redis being down only loses the copy."""
+    store = getattr(app, "store", None)
+    if store is not None and message is not None:
+        with contextlib.suppress(redis.RedisError):  # Celery's own log line remains
+            record(store, message, reason)
+
+
 @task_rejected.connect
 def _keep_rejected(sender, message, exc, **_) -> None:
-    store = getattr(sender.app, "store", None)
-    if store is None or message is None:
-        return
-    reason = str(exc) if exc is not None else "unknown message format"
-    with contextlib.suppress(redis.RedisError):  # Redis down: Celery's log line remains
-        record(store, message, reason)
+    keep(sender.app, message, str(exc) if exc is not None else "unknown message format")

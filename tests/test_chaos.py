@@ -132,7 +132,11 @@ def test_malformed_task_messages_are_dead_lettered_and_the_worker_keeps_consumin
                 body, routing_key="qrq.j", priority=0,
                 headers={"task": "qrq.score_chunk", "id": f"poison-{i}", "lang": "py"},
             )
-    wait_for(lambda: redis_client.llen("qrq:dead-letters") >= len(POISON_BODIES), 20,
+        producer.publish(  # and one that is not even JSON
+            "{not json", routing_key="qrq.j", priority=0, serializer=None,
+            content_type="application/json", headers={"task": "qrq.score_chunk", "id": "raw"},
+        )
+    wait_for(lambda: redis_client.llen("qrq:dead-letters") > len(POISON_BODIES), 20,
              "the malformed messages to be rejected")
     # Then a normal batch behind them is scored in full by the same, living worker
     samples = samples_for(12, "after-poison")
@@ -142,19 +146,21 @@ def test_malformed_task_messages_are_dead_lettered_and_the_worker_keeps_consumin
     # and each bad message is kept once, inspectable, with the reason, and not requeued
     from qreward_queue import dead_letter
 
-    letters = dead_letter.read(redis_client)
-    assert sorted(json.loads(d["body"]) is None for d in letters) == [False] * 3 + [True]
+    raw, *letters = dead_letter.read(redis_client)
+    assert (raw["body"], raw["headers"]["id"]) == ("{not json", "raw")
+    assert raw["reason"].startswith("undecodable task message"), raw
     assert {d["headers"]["id"] for d in letters} == {f"poison-{i}" for i in range(4)}
     assert all("malformed task message" in d["reason"] for d in letters), letters
     assert [json.loads(d["body"]) for d in reversed(letters)] == POISON_BODIES
     log = worker.log.read_text()
     assert log.count("Received invalid task message") == len(POISON_BODIES), log[-3000:]
+    assert log.count("Can't decode message body") == 1, log[-3000:]
     assert "Unrecoverable error" not in log
-    assert redis_client.llen("qrq:dead-letters") == len(POISON_BODIES)
+    assert redis_client.llen("qrq:dead-letters") == len(POISON_BODIES) + 1
     shown = CliRunner().invoke(cli, ["dead-letters", "--config", str(config_path)])
     assert shown.exit_code == 0, shown.output
     assert [json.loads(line)["headers"]["id"] for line in shown.output.splitlines()] == [
-        f"poison-{i}" for i in reversed(range(len(POISON_BODIES)))]
+        "raw", *(f"poison-{i}" for i in reversed(range(len(POISON_BODIES))))]
 
 
 class HostileServer:
