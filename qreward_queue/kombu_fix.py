@@ -28,10 +28,11 @@ _MARK = "_qrq_keeps_connparams"
 
 
 def install() -> None:
-    """Patch `kombu.transport.redis.Channel._connparams` (idempotent)."""
+    """Patch `kombu.transport.redis.Channel._connparams` (idempotent; a kombu without that
+    method has changed this code path, so there is nothing to patch)."""
     channel = kombu_redis.Channel
-    original = channel._connparams
-    if getattr(original, _MARK, False):
+    original = getattr(channel, "_connparams", None)
+    if original is None or getattr(original, _MARK, False):
         return
 
     @functools.wraps(original)

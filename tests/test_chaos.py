@@ -64,6 +64,20 @@ def test_a_channel_closed_after_kombu_dropped_its_client_still_restores_unacked(
     assert redis.Redis.from_url(redis_url).llen("chaos.kombu") == 1
 
 
+def test_a_channel_with_nothing_remembered_reports_a_connection_error(redis_url):
+    # kombu and Celery treat redis.ConnectionError as "broker gone, reconnect"
+    from kombu import Connection
+
+    import qreward_queue.app  # noqa: F401
+
+    with Connection(redis_url) as conn:
+        channel = conn.default_channel
+        channel.__dict__["_qrq_connparams"] = {}
+        conn.transport.client = None
+        with pytest.raises(redis.ConnectionError, match="broker connection was closed"):
+            channel._connparams()
+
+
 @pytest.mark.slow
 def test_workers_survive_three_redis_restarts_mid_batch(tmp_path, stack):
     # Given a private Redis without persistence, three workers and a judge at ~200 ms a call
