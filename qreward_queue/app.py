@@ -19,10 +19,12 @@ from celery.backends.redis import RedisBackend
 from celery.signals import task_received, worker_ready
 from kombu import Queue
 
-from . import keys, liveness, tasks
+from . import keys, kombu_fix, liveness, tasks
 from .breaker import CircuitBreaker
 from .config import Backend, Config
 from .limiter import Limiter
+
+kombu_fix.install()  # a Redis restart must not kill the worker (see kombu_fix)
 
 PRIORITIES = {"val": 0, "train": 6, "bulk": 9}  # on Redis 0 is served first
 
@@ -74,6 +76,7 @@ class QrqCelery(Celery):
                     max_concurrent=limits.max_concurrent,
                     burst_s=limits.burst_s,
                     lease_ttl_s=b.timeout_s + 10.0,
+                    max_pause_s=limits.max_pause_s,
                 )
             )
         return self._limiters[name]

@@ -1,4 +1,4 @@
-"""qrq: demo, score, worker, status, mock-judge. Errors are one clear line, not a traceback.
+"""qrq: demo, score, worker, status, dead-letters, mock-judge. Errors are one clear line.
 
 Exit status: 0 success; 2 nothing could run (usage, configuration, Redis unreachable); for
 `qrq score` also 1 when some samples were not scored and 3 when none was.
@@ -209,7 +209,10 @@ def worker(
     loglevel: str,
 ) -> None:
     """Run a Celery worker for one backend: its queue, pool and rate limit from BACKEND_FILE."""
+    from celery.signals import after_setup_logger, after_setup_task_logger
+
     from .app import QrqCelery
+    from .redact import install_log_filter
     from .tasks import TASK_NAME
 
     config = load_config(config_path)
@@ -247,6 +250,8 @@ def worker(
     click.echo(
         describe_mode(config) + f"; worker for backend {backend.name!r} on queue {backend.queue}"
     )
+    for logging_ready in (after_setup_logger, after_setup_task_logger):  # no key in a log line
+        logging_ready.connect(lambda logger, **_: install_log_filter(logger), weak=False)
     app.worker_main(argv)
 
 
@@ -259,6 +264,22 @@ def status(config_path: str | None) -> None:
     config = _load(config_path, required=False)
     click.echo(describe_mode(config))
     click.echo(render_status(config))
+
+
+@cli.command("dead-letters")
+@config_option
+@click.option("--limit", default=20, show_default=True, help="How many, newest first.")
+def dead_letters(config_path: str | None, limit: int) -> None:
+    """Malformed task messages the workers refused, one JSON line each (newest first)."""
+    import redis
+
+    from .dead_letter import read
+
+    config = load_config(config_path)
+    if config.embedded:
+        raise ConfigError("qrq dead-letters needs Redis: set QRQ_REDIS_URL or [redis] url")
+    for entry in read(redis.Redis.from_url(config.redis_url), limit):
+        click.echo(json.dumps(entry))
 
 
 def main() -> None:

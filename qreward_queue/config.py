@@ -18,6 +18,8 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from .errors import ConfigError, UnknownRoute
+from .ratelimit_headers import DEFAULT_MAX_PAUSE_S
+from .redact import remember
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -31,7 +33,9 @@ DEFAULT_TEMPLATE = (
     "Prompt: {prompt}\nResponse: {response}\nReference: {reference}\n"
     "Answer with 'Score: <number>'."
 )
-DEFAULT_SCORE_PATTERN = r"Score:\s*([-+]?\d*\.?\d+)"
+# the exponent is part of the number, so "Score: 1e309" reads as 1e309 (an error), never as 1
+DEFAULT_SCORE_PATTERN = r"Score:\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)"
+SCORE_MATCHES = ("unique", "first", "last")
 _RATE_LIMIT = re.compile(r"^\d+(\.\d+)?/[smh]$")
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 PACKAGED_CONFIG = Path(__file__).resolve().parent / "defaults" / "qrq.toml"
@@ -70,6 +74,7 @@ class Limits:
     tpm: float | None = None
     max_concurrent: int | None = None
     burst_s: float = 1.0
+    max_pause_s: float = DEFAULT_MAX_PAUSE_S  # the longest pause one backend reply can order
 
 
 def advised_calls(
@@ -130,6 +135,8 @@ class Backend:
     system_prompt: str | None = None
     score_pattern: str = DEFAULT_SCORE_PATTERN
     max_tokens: int = 16
+    score_range: tuple[float, float] | None = None  # a score outside it is an error
+    score_match: str = "unique"  # several scores in one reply: unique | first | last
     batch_size: int = 16
     function: str | None = None
     limits: Limits = field(default_factory=Limits)
@@ -142,8 +149,11 @@ class Backend:
         return f"qrq.{self.name}"
 
     def api_key(self) -> str | None:
-        """Read the key from the environment at call time; it never enters a message."""
-        return os.environ.get(self.api_key_env) if self.api_key_env else None
+        """Read the key from the environment at call time; it never enters a message, and
+        from now on this process redacts it wherever a backend's reply quotes it."""
+        key = os.environ.get(self.api_key_env) if self.api_key_env else None
+        remember(key)
+        return key
 
     def missing_api_key(self) -> str | None:
         """Why this process cannot call the backend (its key variable is unset), else None.
@@ -295,6 +305,7 @@ def _limits(t: _Table) -> Limits:
         tpm=tpm or None,
         max_concurrent=t.integer("max_concurrent", None, minimum=0) or None,
         burst_s=t.number("burst_s", 1.0),
+        max_pause_s=t.number("max_pause_s", DEFAULT_MAX_PAUSE_S),
     )
     t.finish()
     return limits
@@ -364,9 +375,16 @@ def load_backend(path: str | os.PathLike[str]) -> Backend:
         except re.error as exc:
             raise b.fail("score_pattern", f"a valid regex ({exc})") from None
         _check_template(b, values["prompt_template"])
+        values["score_match"] = b.get("score_match", str, "unique")
+        if values["score_match"] not in SCORE_MATCHES:
+            raise b.fail("score_match", f"one of {', '.join(SCORE_MATCHES)}")
+        # the default template asks for a score from 0 to 1
+        default_range = (0.0, 1.0) if values["prompt_template"] == DEFAULT_TEMPLATE else None
+        values["score_range"] = _score_range(b, default_range)
     elif kind == "reward_model":
         values["model"] = b.get("model", str, None)
         values["batch_size"] = b.integer("batch_size", Backend.batch_size)
+        values["score_range"] = _score_range(b, None)
     else:
         values["function"] = b.get(
             "function", str, required=True, expected="an import path 'package.module:callable'"
@@ -386,6 +404,20 @@ def load_backend(path: str | os.PathLike[str]) -> Backend:
     )
     root.finish()
     return backend
+
+
+def _score_range(t: _Table, default: tuple[float, float] | None) -> tuple[float, float] | None:
+    """`score_range = [low, high]`: the scores this backend can validly give."""
+    value = t.get("score_range", list, None, expected="[low, high]")
+    if value is None:
+        return default
+    numbers = [v for v in value if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    if len(value) != 2 or len(numbers) != 2 or not all(map(math.isfinite, numbers)):
+        raise t.fail("score_range", "[low, high]: two finite numbers")
+    low, high = map(float, numbers)
+    if low > high:
+        raise t.fail("score_range", "[low, high] with low <= high")
+    return low, high
 
 
 def _env_name(t: _Table) -> str | None:

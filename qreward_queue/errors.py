@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from .redact import redact
+
 
 class QrqError(Exception):
     """Base of every error qrq raises on purpose."""
@@ -44,7 +46,8 @@ class ScoringError(QrqError):
     outcome status it becomes.
 
     The HTTP facts (status, headers, whether the call timed out) travel with the error so the
-    limiter can learn from failures as well as from successes.
+    limiter can learn from failures as well as from successes. Message and detail quote the
+    backend, so both are redacted (no API key or bearer token survives in them).
     """
 
     status = "error"
@@ -59,8 +62,8 @@ class ScoringError(QrqError):
         timed_out: bool = False,
         retry_after_s: float | None = None,
     ):
-        super().__init__(message)
-        self.detail = detail
+        super().__init__(redact(message))
+        self.detail = redact(detail)
         self.status_code = status_code
         self.headers = headers
         self.timed_out = timed_out

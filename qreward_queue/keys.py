@@ -37,6 +37,9 @@ def batch_sentinel(batch_id: str) -> str:
     return f"{PREFIX}batch:{batch_id}"
 
 
+DEAD_LETTERS = f"{PREFIX}dead-letters"  # malformed task messages, newest first, kept to inspect
+
+
 def _tag(backend: str) -> str:
     return f"{PREFIX}{{{backend}}}"
 

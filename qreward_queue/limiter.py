@@ -30,7 +30,7 @@ from redis.commands.core import Script
 
 from . import keys
 from .errors import LimiterBusy
-from .ratelimit_headers import RateLimitHeaders
+from .ratelimit_headers import DEFAULT_MAX_PAUSE_S, RateLimitHeaders
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,8 @@ class Limiter:
     ``lease_ttl_s`` (a dead holder's lease lapses after this; keep it above the call timeout),
     ``outage_wait_s`` (how long every call waits out an unreachable Redis before raising, on top
     of the client's own retries),
-    ``aimd_cooldown_s`` (at most one multiplicative decrease per this many seconds).
+    ``aimd_cooldown_s`` (at most one multiplicative decrease per this many seconds),
+    ``max_pause_s`` (the longest pause one reply can order; see `RateLimitHeaders`).
 
     >>> import fakeredis
     >>> limiter = Limiter(fakeredis.FakeRedis(), "judge-a", rpm=600, tpm=60_000, max_concurrent=4)
@@ -120,6 +121,7 @@ class Limiter:
         lease_ttl_s: float = 60.0,
         outage_wait_s: float = 120.0,
         aimd_cooldown_s: float = 1.0,
+        max_pause_s: float = DEFAULT_MAX_PAUSE_S,
     ) -> None:
         if burst_s <= 0 or lease_ttl_s <= 0 or min(rpm or 0, tpm or 0, max_concurrent or 0) < 0:
             raise ValueError("burst_s and lease_ttl_s must be positive, limits not negative")
@@ -128,6 +130,8 @@ class Limiter:
         self.lease_ttl_s = lease_ttl_s
         self.outage_wait_s = outage_wait_s
         self.aimd_cooldown_s = aimd_cooldown_s
+        self.max_pause_s = max_pause_s
+        self.bounded: tuple[str, ...] = ()  # the bounds the last bounded reply hit
         self._redis = redis_client
         self._keys = keys.limiter(backend)
         self._scripts = _load_scripts(redis_client)
@@ -182,8 +186,8 @@ class Limiter:
         self._finish([], status_code, headers, timed_out, 0.0)
 
     def pause(self, seconds: float) -> None:
-        """Stop every worker of this backend for ``seconds`` (booked calls move back with it)."""
-        self._call_finish([], "", seconds, RateLimitHeaders(), 0.0)
+        """Stop every worker of this backend for ``seconds`` (at most ``max_pause_s``)."""
+        self._call_finish([], "", min(seconds, self.max_pause_s), RateLimitHeaders(), 0.0)
 
     def status(self) -> dict[str, Any]:
         """Levels refilled to now (nothing written), rates, leases, adaptive limit, 429s, pause."""
@@ -205,6 +209,7 @@ class Limiter:
             "adaptive_limit": int(s["adaptive_limit"]) if "adaptive_limit" in s else None,
             "recent_429s": int(s["recent_429s"]),
             "paused_for_s": s["paused_ms"] / 1000,
+            "bounded": s.get("bounded") or None,  # the last out-of-bounds reply, if recent
         }
 
     def _wait_for_start(self, grant: Grant) -> None:
@@ -224,15 +229,13 @@ class Limiter:
                 headers: Mapping[str, str] | None, timed_out: bool, refund: float) -> None:
         """A 429 pauses the backend for everyone for Retry-After (else the reset of an exhausted
         limit, else 1 s); 429s and timeouts halve the adaptive concurrency, successes grow it."""
-        h = RateLimitHeaders.from_headers(headers)
+        h = RateLimitHeaders.from_headers(headers, max_pause_s=self.max_pause_s)
+        if h.bounded:
+            self.bounded = h.bounded
+            log.warning("backend %s: reply out of bounds: %s", self.backend, "; ".join(h.bounded))
         ok = status_code is not None and 200 <= status_code < 300
         event = "timeout" if timed_out else "429" if status_code == 429 else "ok" if ok else ""
-        pause_s = 0.0
-        if event == "429":
-            exhausted = [reset for reset, left in ((h.reset_requests_s, h.remaining_requests),
-                                                   (h.reset_tokens_s, h.remaining_tokens))
-                         if reset is not None and not left]
-            pause_s = max(exhausted, default=1.0) if h.retry_after_s is None else h.retry_after_s
+        pause_s = h.pause_s() if event == "429" else 0.0
         if not (event or pause_s or refund) and h == RateLimitHeaders():  # just release
             if holders:
                 self._retry(self._redis.zrem, self._keys["leases"], *holders)
@@ -256,7 +259,7 @@ class Limiter:
             limits.append(entry)
         self._run("finish", holders=holders, event=event, max_concurrent=self.max_concurrent,
                   aimd_cooldown_ms=self.aimd_cooldown_s * 1000, pause_ms=pause_s * 1000,
-                  limits=limits)
+                  limits=limits, bounded="; ".join(h.bounded))
 
     def _run(self, script: str, **args: Any) -> dict[str, Any]:
         script_keys = [self._keys[name] for name in _SCRIPT_KEYS[script]]

@@ -2,7 +2,8 @@
 
 Pure functions, no I/O: a backend's answer is untrusted input, so `RateLimitHeaders.from_headers`
 turns every absent, negative or malformed value into ``None`` instead of raising in the middle
-of a reward call.
+of a reward call, and bounds the rest (a capped pause, a floor under learned limits, a sane
+reset), saying which bound was hit.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import math
 import re
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 
 _UNIT_S = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
@@ -61,14 +62,29 @@ def parse_retry_after(value: str, now: float | None = None) -> float:
     return max(0.0, when - (time.time() if now is None else now))
 
 
+DEFAULT_MAX_PAUSE_S = 60.0  # [limits] max_pause_s: the longest pause one reply can order
+MAX_RESET_S = 86_400.0  # a reset further away than a day is garbage (Redis refuses 1e308 ms)
+MIN_LEARNED_LIMIT = 1.0  # a learned limit below 1 per minute would stop the backend for good
+MAX_COUNT = 1e12  # no limit or remaining count is larger than this
+
+
 @dataclass(frozen=True)
 class RateLimitHeaders:
-    """What a backend said about its limits; every field is ``None`` when absent or unreadable.
+    """What a backend said about its limits, validated and bounded.
+
+    Every field is ``None`` when absent, unreadable or implausible; `bounded` says, in one line
+    each, which values were capped or ignored (for `qrq status` and the outcome detail). A
+    Retry-After is capped at `max_pause_s`, resets at MAX_RESET_S, and a limit below
+    MIN_LEARNED_LIMIT is ignored, so no single reply can stop a backend for long.
 
     >>> h = RateLimitHeaders.from_headers({"X-RateLimit-Remaining-Requests": "12",
     ...                                    "x-ratelimit-reset-tokens": "6m0s", "Retry-After": "x"})
     >>> h.remaining_requests, h.reset_tokens_s, h.retry_after_s
     (12.0, 360.0, None)
+    >>> h.bounded
+    ("retry-after 'x' ignored: not a delay",)
+    >>> RateLimitHeaders.from_headers({"retry-after": "999999"}, max_pause_s=60).pause_s()
+    60.0
     """
 
     limit_requests: float | None = None
@@ -78,37 +94,77 @@ class RateLimitHeaders:
     reset_requests_s: float | None = None
     reset_tokens_s: float | None = None
     retry_after_s: float | None = None
+    bounded: tuple[str, ...] = field(default=(), compare=False)
+    max_pause_s: float = field(default=DEFAULT_MAX_PAUSE_S, compare=False)
 
     @classmethod
     def from_headers(
-        cls, headers: Mapping[str, str] | None, now: float | None = None
+        cls,
+        headers: Mapping[str, str] | None,
+        now: float | None = None,
+        max_pause_s: float = DEFAULT_MAX_PAUSE_S,
     ) -> RateLimitHeaders:
         """Read the ``x-ratelimit-*`` and ``Retry-After``/``retry-after-ms`` headers.
 
         Header names are matched case-insensitively whatever the mapping type is.
         """
         lowered = {str(k).lower(): str(v) for k, v in (headers or {}).items()}
+        notes: list[str] = []
 
-        def read(name: str, parse) -> float | None:
+        def read(name: str, parse, low: float, high: float, unit: str = "") -> float | None:
             raw = lowered.get(name)
             if raw is None:
                 return None
             try:
-                return parse(raw)
+                value = parse(raw)
             except (TypeError, ValueError, OverflowError):
+                notes.append(f"{name} {raw[:40]!r} ignored: not a {'delay' if unit else 'count'}")
                 return None
+            if value < low:
+                notes.append(f"{name} {raw[:40]} ignored: below {low:g}{unit}")
+                return None
+            if value > high:
+                if unit:  # a delay: wait at most `high`
+                    notes.append(f"{name} {raw[:40]} capped at {high:g}{unit}")
+                    return float(high)
+                notes.append(f"{name} {raw[:40]} ignored: above {high:g}")
+                return None
+            return value
 
-        retry_ms = read("retry-after-ms", _number)
+        def count(name: str, low: float = 0.0) -> float | None:
+            return read(name, _number, low, MAX_COUNT)
+
+        def delay(name: str, parse, high: float) -> float | None:
+            return read(name, parse, 0.0, high, " s")
+
+        if "retry-after-ms" in lowered:
+            retry_ms = read("retry-after-ms", _number, 0.0, max_pause_s * 1000, " ms")
+            retry_after = None if retry_ms is None else retry_ms / 1000.0
+        else:
+            retry_after = delay("retry-after", lambda v: parse_retry_after(v, now), max_pause_s)
         return cls(
-            limit_requests=read("x-ratelimit-limit-requests", _number),
-            limit_tokens=read("x-ratelimit-limit-tokens", _number),
-            remaining_requests=read("x-ratelimit-remaining-requests", _number),
-            remaining_tokens=read("x-ratelimit-remaining-tokens", _number),
-            reset_requests_s=read("x-ratelimit-reset-requests", parse_duration),
-            reset_tokens_s=read("x-ratelimit-reset-tokens", parse_duration),
-            retry_after_s=(
-                retry_ms / 1000.0
-                if retry_ms is not None
-                else read("retry-after", lambda v: parse_retry_after(v, now))
-            ),
+            limit_requests=count("x-ratelimit-limit-requests", MIN_LEARNED_LIMIT),
+            limit_tokens=count("x-ratelimit-limit-tokens", MIN_LEARNED_LIMIT),
+            remaining_requests=count("x-ratelimit-remaining-requests"),
+            remaining_tokens=count("x-ratelimit-remaining-tokens"),
+            reset_requests_s=delay("x-ratelimit-reset-requests", parse_duration, MAX_RESET_S),
+            reset_tokens_s=delay("x-ratelimit-reset-tokens", parse_duration, MAX_RESET_S),
+            retry_after_s=retry_after,
+            bounded=tuple(notes),
+            max_pause_s=max_pause_s,
         )
+
+    def pause_s(self, default_s: float = 1.0) -> float:
+        """How long a 429 should pause the backend: Retry-After, else the reset of an
+        exhausted limit, else `default_s`; never more than `max_pause_s`."""
+        if self.retry_after_s is not None:
+            return min(self.retry_after_s, self.max_pause_s)
+        exhausted = [
+            reset
+            for reset, left in (
+                (self.reset_requests_s, self.remaining_requests),
+                (self.reset_tokens_s, self.remaining_tokens),
+            )
+            if reset is not None and not left
+        ]
+        return min(max(exhausted, default=default_s), self.max_pause_s)

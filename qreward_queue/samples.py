@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 from .errors import InvalidSamples, ScoringError
+from .redact import redact
 
 Status = Literal["ok", "cached", "timeout", "error"]
 STATUSES: tuple[str, ...] = ("ok", "cached", "timeout", "error")
@@ -35,6 +36,9 @@ class Outcome:
     error: str | None = None
     detail: str | None = None
     id: Any = field(default=None)
+
+    def __post_init__(self) -> None:  # both may quote a backend's reply
+        self.error, self.detail = redact(self.error), redact(self.detail)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

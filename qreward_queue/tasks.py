@@ -378,6 +378,10 @@ def register(app) -> None:
     # score_chunk bounds its own retries (attempts, siblings, deadline); max_retries only stops
     # a poison sample that kills its pool child every time. Such a task comes back after 2 s
     # (task_retry_on_worker_lost), not after Celery's default 180 s.
-    app.task(bind=True, name=TASK_NAME, max_retries=MAX_TASK_RETRIES, default_retry_delay=2)(
-        score_chunk
-    )
+    app.task(
+        bind=True,
+        name=TASK_NAME,
+        max_retries=MAX_TASK_RETRIES,
+        default_retry_delay=2,
+        Strategy="qreward_queue.dead_letter:checked_strategy",  # malformed bodies: dead letters
+    )(score_chunk)

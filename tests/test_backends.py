@@ -210,7 +210,7 @@ def test_judge_429_is_rate_limited_with_retry_after():
         backend.call([sample(1)])  # takes the one request the 1-second bucket holds
         error = raises(RateLimited, backend.call, [sample(2)])
     assert error.status_code == 429
-    assert error.retry_after_s == 1.0
+    assert error.retry_after_s == pytest.approx(1.0, abs=0.05)  # retry-after-ms when sent
     assert error.headers["x-ratelimit-limit-requests"] == "60"
     assert "Rate limit reached" in error.detail
 
@@ -327,9 +327,6 @@ def test_reward_model_split_follows_batch_size(judge):
         ({"scores": "nope"}, "a list of 3 numbers"),
         ({"rewards": [0.1, 0.2, 0.3]}, "a list of 3 numbers"),
         ([0.1, 0.2, 0.3], "a list of 3 numbers"),
-        ({"scores": [0.1, "0.2", 0.3]}, "scores[1] is not a finite number"),
-        ({"scores": [0.1, 0.2, True]}, "scores[2] is not a finite number"),
-        (b'{"scores": [0.1, NaN, 0.3]}', "scores[1] is not a finite number"),
     ],
 )
 def test_reward_model_reply_of_the_wrong_shape_is_permanent(stub, reply, message):
@@ -337,6 +334,26 @@ def test_reward_model_reply_of_the_wrong_shape_is_permanent(stub, reply, message
     error = raises(PermanentError, make_backend(rm_config(stub.url)).call,
                    [sample(i) for i in range(3)])
     assert message in str(error)
+
+
+@pytest.mark.parametrize(
+    ("reply", "bad", "message"),
+    [
+        ({"scores": [0.1, "0.2", 0.3]}, 1, "scores[1] is not a number"),
+        ({"scores": [0.1, 0.2, True]}, 2, "scores[2] is not a number"),
+        (b'{"scores": [0.1, NaN, 0.3]}', 1, "scores[1] is not a finite number"),
+        (b'{"scores": [0.1, 0.2, ' + b"9" * 400 + b"]}", 2, "scores[2] is too large for a float"),
+        ({"scores": [0.1, 0.2, 1e308 * 10]}, 2, "scores[2] is not a finite number"),
+    ],
+)
+def test_a_bad_reward_model_score_fails_only_its_own_item(stub, reply, bad, message):
+    stub.respond = lambda body: (200, {}, reply, 0)
+    call = make_backend(rm_config(stub.url)).call([sample(i) for i in range(3)])
+    assert [isinstance(s, PermanentError) for s in call.scores] == [i == bad for i in range(3)]
+    assert message in str(call.scores[bad])
+    assert [s for i, s in enumerate(call.scores) if i != bad] == [
+        v for i, v in enumerate([0.1, 0.2, 0.3]) if i != bad
+    ]
 
 
 def test_reward_model_request_shape(stub):
@@ -418,6 +435,14 @@ def test_function_failure_of_one_sample_spares_the_others(rewards_module):
     assert "returned nan" in str(errors["nan"])
     assert "returned True" in str(errors["bool"])
     assert "returned None" in str(errors["none"])
+
+
+def test_a_huge_int_from_a_reward_function_fails_only_its_sample():
+    from qreward_queue.backends.function import _score_one
+
+    error = _score_one(lambda s: 10**400, {})
+    assert isinstance(error, PermanentError) and str(error).endswith(", not a finite number")
+    assert _score_one(lambda s: 10**20, {}) == 1e20
 
 
 def test_builtin_exact_match_errors_per_sample():
@@ -543,3 +568,39 @@ def test_stalled_reply_body_is_a_transient_timeout(stub):
 def test_backend_config_is_hashable_for_the_client_cache(judge):
     config = judge_config(judge.url)
     assert hash(config) == hash(replace(config))
+
+
+@pytest.mark.parametrize(
+    ("policy", "score_range", "content", "expected"),
+    [
+        ("unique", None, "Score: 0.2 and later Score: 0.20", 0.2),
+        ("unique", None, "Score: 0.2 then Score: 0.9", "2 different scores"),
+        ("first", None, "Score: 0.2 then Score: 0.9", 0.2),
+        ("last", None, "Score: 0.2 then Score: 0.9", 0.9),
+        ("unique", (0.0, 10.0), "Score: 7", 7.0),
+        ("unique", (0.0, 10.0), "Score: 10.5", "outside score_range [0, 10]"),
+        ("unique", None, "Score: 1e309", "not a finite number"),
+        ("unique", None, "Score: 2.5e-1", 0.25),
+        ("unique", None, "Score: " + "9" * 400, "not a finite number"),
+        ("unique", None, "no verdict", "no score"),
+    ],
+)
+def test_judge_score_policies(policy, score_range, content, expected):
+    judge = make_backend(judge_config("http://127.0.0.1:1", score_match=policy,
+                                      score_range=score_range))
+    score = judge.parse_score(content)
+    if isinstance(expected, float):
+        assert score == expected
+    else:
+        assert isinstance(score, PermanentError) and expected in str(score), score
+        assert score.detail == content
+
+
+def test_default_judge_file_bounds_scores_to_the_template_scale(tmp_path):
+    from qreward_queue.config import load_backend
+
+    path = tmp_path / "j.toml"
+    path.write_text('[backend]\nkind = "judge"\nurl = "http://h/v1"\nmodel = "m"\n')
+    assert load_backend(path).score_range == (0.0, 1.0)
+    path.write_text(path.read_text() + 'prompt_template = "Rate 1-10: {response}"\n')
+    assert load_backend(path).score_range is None

@@ -304,6 +304,11 @@ def test_broken_backend_file_is_named_by_load_config(tmp_path):
         (JUDGE + 'prompt_template = "{answer}"\n', "backend.prompt_template", "placeholders"),
         (JUDGE + 'prompt_template = "{prompt"\n', "backend.prompt_template", "placeholders"),
         (JUDGE + 'prompt_template = "{0}"\n', "backend.prompt_template", "placeholders"),
+        (JUDGE + "score_range = [1, 0]\n", "backend.score_range", "low <= high"),
+        (JUDGE + "score_range = [0]\n", "backend.score_range", "two finite numbers"),
+        (JUDGE + 'score_range = [0, "1"]\n', "backend.score_range", "two finite numbers"),
+        (JUDGE + "score_range = [0, inf]\n", "backend.score_range", "two finite numbers"),
+        (JUDGE + 'score_match = "max"\n', "backend.score_match", "one of unique, first, last"),
         ('[backend]\nkind = "function"\n', "backend.function", "missing"),
         ('[backend]\nkind = "function"\nfunction = "os.path"\n', "backend.function", "import"),
         (

@@ -143,6 +143,9 @@ def test_flower_service_command_serves_with_auth(redis_url):
     proc = run_until(cmd, up, env)
     try:
         assert requests.get(f"{url}/api/workers", timeout=5).status_code == 401
+        # Flower's own behaviour, documented in README "Hardening": these two need no password,
+        # which is why compose and deploy/k8s keep Flower's port private
+        assert requests.get(f"{url}/metrics", timeout=10).status_code == 200
         assert requests.get(f"{url}/api/workers", auth=("admin", "s3cret"), timeout=10).ok
     finally:
         stop(proc)

@@ -6,12 +6,16 @@ only turns samples into a request and a reply into scores (or precise errors).
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..config import Backend
-from ..errors import ScoringError
+from ..errors import PermanentError, ScoringError
+
+MAX_USAGE_TOKENS = 10**12  # more than any call can cost: a larger count is garbage
 
 
 @dataclass
@@ -48,3 +52,45 @@ class BackendClient(ABC):
     @abstractmethod
     def call(self, samples: list[dict]) -> Call:
         """Score `samples` in one call; raise a ScoringError when the whole call failed."""
+
+
+def usage_tokens(body: Any) -> int | None:
+    """`usage.total_tokens` of a reply when it is a plausible count, else None (unknown)."""
+    usage = body.get("usage") if isinstance(body, dict) else None
+    tokens = usage.get("total_tokens") if isinstance(usage, dict) else None
+    plausible = isinstance(tokens, int) and not isinstance(tokens, bool)
+    return tokens if plausible and 0 <= tokens <= MAX_USAGE_TOKENS else None
+
+
+def checked_score(
+    value: Any, score_range: tuple[float, float] | None, what: str, reply: str | None = None
+) -> float | PermanentError:
+    """`value` as a score, or the error (not raised) that says why it is none.
+
+    Numbers of any size come out of JSON and regexes; one that does not fit a float, is not
+    finite or lies outside `score_range` is an error for its own item, quoting `reply`.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return PermanentError(f"{what} is not a number", reply or _preview(value))
+    try:
+        score = float(value)
+    except OverflowError:
+        return PermanentError(f"{what} is too large for a float", reply or _preview(value))
+    except ValueError:
+        return PermanentError(f"{what} is not a number", reply or _preview(value))
+    if not math.isfinite(score):
+        return PermanentError(f"{what} is not a finite number", reply or _preview(value))
+    if score_range is not None and not score_range[0] <= score <= score_range[1]:
+        low, high = score_range
+        return PermanentError(
+            f"{what} is outside score_range [{low:g}, {high:g}]", reply or _preview(value)
+        )
+    return score
+
+
+def _preview(value: Any) -> str:
+    try:
+        text = str(value)
+    except ValueError:  # an int past Python's digit limit for str()
+        return "<an integer too long to show>"
+    return text if len(text) <= 80 else f"{text[:40]}...({len(text)} characters)"

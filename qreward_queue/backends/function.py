@@ -46,6 +46,13 @@ def _score_one(fn: Callable[[dict], float], sample: dict) -> float | ScoringErro
         value = fn(sample)
     except Exception as exc:  # a user function may raise anything; it must not sink the chunk
         return PermanentError(f"reward function raised {type(exc).__name__}: {exc}"[:500])
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return PermanentError(f"reward function returned {value!r}, not a finite number"[:500])
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
+        return PermanentError(f"reward function returned {value!r}"[:200] + ", not a finite number")
     return float(value)
+
+
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False

@@ -21,7 +21,7 @@ import urllib3
 
 from ..config import Backend, redact_url
 from ..errors import PermanentError, RateLimited, TransientError
-from ..ratelimit_headers import parse_retry_after
+from ..ratelimit_headers import RateLimitHeaders
 
 MAX_REPLY_BYTES = 8 << 20
 _pools: dict[str, urllib3.PoolManager] = {}
@@ -85,9 +85,8 @@ def post_json(config: Backend, url: str, payload: dict) -> Reply:
     facts = {"status_code": resp.status, "headers": reply_headers}
     text = raw[:500].decode("utf-8", "replace")
     if resp.status == 429:
-        raise RateLimited(
-            "rate limited (429)", text, retry_after_s=_retry_after(reply_headers), **facts
-        )
+        bounded = RateLimitHeaders.from_headers(reply_headers, None, config.limits.max_pause_s)
+        raise RateLimited("rate limited (429)", text, retry_after_s=bounded.retry_after_s, **facts)
     if resp.status >= 500:
         raise TransientError(f"server error {resp.status} from {where}", text, **facts)
     if 300 <= resp.status < 400:
@@ -129,12 +128,3 @@ def _reason(exc: Exception) -> str:
     while isinstance(cause, urllib3.exceptions.HTTPError) and cause.__context__ is not None:
         cause = cause.__context__
     return type(cause).__name__
-
-
-def _retry_after(headers: dict[str, str]) -> float | None:
-    """The 429's Retry-After in seconds; None when absent or unreadable."""
-    value = headers.get("retry-after")
-    try:
-        return parse_retry_after(value) if value else None
-    except ValueError:
-        return None

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-import math
 import re
 
 from ..errors import PermanentError
-from .base import BackendClient, Call
+from .base import BackendClient, Call, checked_score, usage_tokens
 from .http import post_json
 
 
 class JudgeBackend(BackendClient):
     """Fills the prompt template from the sample and parses the score out of the reply.
 
-    An unparseable reply is an `error` outcome quoting the reply, never a silent 0.
+    An unparseable reply is an `error` outcome quoting the reply, never a silent 0; so is a
+    score that is not finite, outside `score_range`, or ambiguous (several different scores
+    when `score_match` is "unique").
     """
 
     def __init__(self, config):
@@ -61,28 +62,33 @@ class JudgeBackend(BackendClient):
             raise PermanentError(
                 "choices[0].message.content is not text", str(content)[:500], **facts
             )
-        match = self.pattern.search(content)
-        score = _to_float(match.group(1)) if match else None
-        if score is None:
-            raise PermanentError(
-                f"no score in the judge's reply (pattern {self.pattern.pattern!r})",
-                content[:500],
-                **facts,
-            )
-        usage = reply.body.get("usage") if isinstance(reply.body, dict) else None
-        tokens = usage.get("total_tokens") if isinstance(usage, dict) else None
+        score = self.parse_score(content)
+        if isinstance(score, PermanentError):
+            raise PermanentError(str(score), score.detail, **facts)
         return Call(
-            [score],
-            tokens if isinstance(tokens, int) else None,
-            reply.status_code,
-            reply.headers,
-            [content[:500]],
+            [score], usage_tokens(reply.body), reply.status_code, reply.headers, [content[:500]]
         )
 
+    def parse_score(self, content: str) -> float | PermanentError:
+        """The score in the judge's reply per `score_pattern` and `score_match`."""
+        found = [m.group(1) for m in self.pattern.finditer(content)]
+        if not found:
+            return PermanentError(
+                f"no score in the judge's reply (pattern {self.pattern.pattern!r})", content[:500]
+            )
+        policy = self.config.score_match
+        if policy == "unique" and len(set(map(_number_or_text, found))) > 1:
+            return PermanentError(
+                f"{len(found)} different scores in the judge's reply ({', '.join(found[:5])}); "
+                'set score_match = "first" or "last" to pick one',
+                content[:500],
+            )
+        text = found[-1] if policy == "last" else found[0]
+        return checked_score(text, self.config.score_range, f"score {text!r}", content[:500])
 
-def _to_float(text: str) -> float | None:
+
+def _number_or_text(text: str) -> float | str:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
-        return None
-    return value if math.isfinite(value) else None
+        return text

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import math
-
 from ..errors import PermanentError
-from .base import BackendClient, Call
+from .base import BackendClient, Call, checked_score, usage_tokens
 from .http import post_json
 
 
 class RewardModelBackend(BackendClient):
-    """Up to `batch_size` samples per call; a reply of the wrong shape fails the whole call."""
+    """Up to `batch_size` samples per call; a reply of the wrong shape fails the whole call,
+    a bad score (not a number, too large, outside `score_range`) fails only its own item."""
 
     @property
     def batch(self) -> int:
@@ -34,21 +33,14 @@ class RewardModelBackend(BackendClient):
                 str(reply.body)[:500],
                 **facts,
             )
-        bad = [i for i, v in enumerate(scores) if not _is_number(v)]
-        if bad:
-            raise PermanentError(
-                f"scores[{bad[0]}] is not a finite number", str(scores[bad[0]])[:200], **facts
-            )
-        usage = reply.body.get("usage")
-        tokens = usage.get("total_tokens") if isinstance(usage, dict) else None
+        score_range = self.config.score_range
         return Call(
-            [float(v) for v in scores],
-            tokens if isinstance(tokens, int) else None,
+            [
+                checked_score(None if isinstance(v, str) else v, score_range, f"scores[{i}]")
+                for i, v in enumerate(scores)
+            ],
+            usage_tokens(reply.body),
             reply.status_code,
             reply.headers,
             [None] * len(samples),
         )
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

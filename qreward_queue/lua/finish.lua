@@ -5,11 +5,13 @@
 -- args: holders (leases to release), event ('ok' | '429' | 'timeout' | ''), max_concurrent
 --   (0 = no AIMD), aimd_cooldown_ms, pause_ms (0 = none), limits: [{name, cap, rate, refund
 --   (booked minus used; < 0 charges an overrun), remaining, limit_rate (per ms), reset_ms}]
---   (the header fields are absent when the reply did not carry them)
+--   (the header fields are absent when the reply did not carry them), bounded (what the
+--   reply said beyond qrq's bounds, '' when nothing)
 -- Returns {limit}: the adaptive concurrency limit (-1 without max_concurrent).
 local HRATE_KEEP_MS = 600000   -- a learned lower rate outlives an idle bucket by 10 minutes
 local AIMD_IDLE_MS = 600000    -- an idle controller forgets its state after 10 minutes
 local RECENT_429_S = 60
+local BOUNDED_KEEP_MS = 600000
 local bucket, event = KEYS[1], args.event
 local now = now_ms()
 local h = read_hash(bucket)
@@ -53,6 +55,10 @@ if extend > 0 then
   set.shift = num((tonumber(h.shift) or 0) + extend)
   set.paused_until = num(until_ms)
   keep = math.max(keep, until_ms)
+end
+if args.bounded ~= '' then
+  -- what the last out-of-bounds reply said, shown by `qrq status` for BOUNDED_KEEP_MS
+  set.bounded, set.bounded_until = args.bounded, num(now + BOUNDED_KEEP_MS)
 end
 if keep > 0 then set.keep_until = num(keep) end
 save_limits(bucket, h, limits, now, set)

@@ -11,6 +11,7 @@ local out = {
   adaptive_limit = tonumber(redis.call('HGET', KEYS[3], 'limit')),
   recent_429s = tonumber(redis.call('GET', KEYS[4]) or '0'),
   paused_ms = math.max(0, paused_until - now),
+  bounded = (tonumber(h.bounded_until) or 0) > now and h.bounded or nil,
   limits = {},
 }
 for _, l in ipairs(load_limits(h, now)) do
