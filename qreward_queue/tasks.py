@@ -323,24 +323,30 @@ def score_chunk(
     todo = [i for i, o in enumerate(done) if o is None]
     siblings = [b for b in (route or []) if b != backend and b not in (tried or [])]
     breaker = app.breaker(backend) if len(route or ()) > 1 else None
-    runner = ChunkRunner(
-        config, app.limiter(backend), breaker, attempt, bool(siblings), deadline
-    ).run([samples[i] for i in todo])
     left: dict[int, Outcome | None] = {}
-    for k, pos in enumerate(todo):
-        outcome = runner.outcomes[k]
-        if outcome is None or k in runner.retryable:
-            left[pos] = outcome
-        else:
-            done[pos] = outcome.to_dict()
+    unusable = config.missing_api_key()
+    if unusable:  # a backend-level failure: no call is made, the work fails over at once
+        left = {pos: Outcome.failed(TransientError(unusable), backend, attempt) for pos in todo}
+        busy_s, circuit_open, attempt = None, True, max(attempt, config.retry.attempts)
+    else:
+        runner = ChunkRunner(
+            config, app.limiter(backend), breaker, attempt, bool(siblings), deadline
+        ).run([samples[i] for i in todo])
+        for k, pos in enumerate(todo):
+            outcome = runner.outcomes[k]
+            if outcome is None or k in runner.retryable:
+                left[pos] = outcome
+            else:
+                done[pos] = outcome.to_dict()
+        busy_s, circuit_open = runner.busy_s, breaker is not None and breaker.is_open()
     nxt = decide(
         len(left),
         attempt,
         config.retry,
         time_left_s(deadline),
-        runner.busy_s,
+        busy_s,
         bool(siblings),
-        bool(siblings) and breaker is not None and breaker.is_open(),
+        bool(siblings) and circuit_open,
     )
     if nxt.action == "done":
         return done

@@ -17,6 +17,7 @@ import redis
 import yaml
 from support import ROOT, Worker, free_port, judge_backend, wait_for, write_config
 
+import qreward_queue
 from qreward_queue.app import PRIORITIES, QrqCelery
 from qreward_queue.backends.http import post_json
 from qreward_queue.config import (
@@ -263,3 +264,25 @@ def test_connection_failure_names_the_url_without_credentials():
     assert f"connection to http://127.0.0.1:{port}/v1/chat/completions failed" \
         in str(caught.value)
     assert "pa55word" not in str(caught.value) and "user" not in str(caught.value)
+
+
+def test_an_unset_api_key_fails_over_to_a_healthy_sibling(tmp_path, monkeypatch):
+    # Given a route over two judges, one whose key variable is unset in this process
+    monkeypatch.delenv("QRQ_TEST_KEY_NOBODY_SET", raising=False)
+    with MockJudge(MockJudgeSettings(latency_ms=1, latency_cv=0)) as judge:
+        backends = {
+            "keyless": judge_backend(judge.url, api_key_env="QRQ_TEST_KEY_NOBODY_SET"),
+            "open": judge_backend(judge.url),
+        }
+        config = write_config(tmp_path, backends, routes={"r": ["keyless", "open"]})
+        app = qreward_queue.configure(config)  # embedded: one process serves both queues
+        samples = [{"prompt": f"{i}+1?", "response": str(i + 1)} for i in range(12)]
+        # When a batch is scored on the route
+        outcomes = qreward_queue.submit_batch(samples, route="r", app=app).outcomes(timeout=60)
+        # Then every sample is scored by the sibling, and the keyless backend sent nothing
+        assert [o.status for o in outcomes] == ["ok"] * 12
+        assert {o.backend for o in outcomes} == {"open"}
+        assert judge.stats()["requests"] == 12
+    # and alone, the same backend gives an error naming the variable, once per sample
+    only = qreward_queue.submit_batch(samples[:2], route="keyless", app=app).outcomes(timeout=60)
+    assert all(o.status == "error" and "QRQ_TEST_KEY_NOBODY_SET" in o.error for o in only)
