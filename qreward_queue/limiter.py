@@ -82,12 +82,14 @@ class Grant:
         self._used_tokens = actual_tokens
 
     def finish(self, status_code: int | None = None, headers: Mapping[str, str] | None = None,
-               timed_out: bool = False) -> None:
-        """One round trip: reconcile tokens, learn from the reply, release the lease."""
-        if not self.finished:
-            self.finished = True
-            refund = 0.0 if self._used_tokens is None else self.tokens - self._used_tokens
-            self._limiter._finish([self.holder], status_code, headers, timed_out, refund)
+               timed_out: bool = False) -> float:
+        """One round trip: reconcile tokens, learn from the reply, release the lease.
+        Returns the pause it ordered for everyone (0: none)."""
+        if self.finished:
+            return 0.0
+        self.finished = True
+        refund = 0.0 if self._used_tokens is None else self.tokens - self._used_tokens
+        return self._limiter._finish([self.holder], status_code, headers, timed_out, refund)
 
 
 class Limiter:
@@ -181,9 +183,9 @@ class Limiter:
             time.sleep(wait_s * random.uniform(0.5, 1.5))
 
     def feedback(self, status_code: int | None, headers: Mapping[str, str] | None = None,
-                 timed_out: bool = False) -> None:
+                 timed_out: bool = False) -> float:
         """Teach the limiter what the backend answered, outside a grant (see `Grant.finish`)."""
-        self._finish([], status_code, headers, timed_out, 0.0)
+        return self._finish([], status_code, headers, timed_out, 0.0)
 
     def pause(self, seconds: float) -> None:
         """Stop every worker of this backend for ``seconds`` (at most ``max_pause_s``)."""
@@ -226,21 +228,30 @@ class Limiter:
             time.sleep(extra_ms / 1000)
 
     def _finish(self, holders: list[str], status_code: int | None,
-                headers: Mapping[str, str] | None, timed_out: bool, refund: float) -> None:
-        """A 429 pauses the backend for everyone for Retry-After (else the reset of an exhausted
-        limit, else 1 s); 429s and timeouts halve the adaptive concurrency, successes grow it."""
+                headers: Mapping[str, str] | None, timed_out: bool, refund: float) -> float:
+        """A 429 of an exhausted rate pauses the backend for everyone for Retry-After (else the
+        reset of the exhausted limit, else 1 s). A 429 while the headers say requests and
+        tokens are left is congestion (a concurrency limit below the configured one): it cuts
+        the adaptive concurrency like a timeout does, and pauses no one. A 429 that says
+        neither does both. Successes grow the concurrency. Returns the pause ordered."""
         h = RateLimitHeaders.from_headers(headers, max_pause_s=self.max_pause_s)
         if h.bounded:
             self.bounded = h.bounded
             log.warning("backend %s: reply out of bounds: %s", self.backend, "; ".join(h.bounded))
         ok = status_code is not None and 200 <= status_code < 300
-        event = "timeout" if timed_out else "429" if status_code == 429 else "ok" if ok else ""
-        pause_s = h.pause_s() if event == "429" else 0.0
+        event = "timeout" if timed_out else "ok" if ok else ""
+        pause_s = 0.0
+        if status_code == 429 and h.rate_left():
+            event = "congested"  # too many calls in flight: cut concurrency, pause no one
+        elif status_code == 429:  # exhausted: pause everyone; unknown why: also cut
+            event = "exhausted" if 0 in (h.remaining_requests, h.remaining_tokens) else "429"
+            pause_s = h.pause_s()
         if not (event or pause_s or refund) and h == RateLimitHeaders():  # just release
             if holders:
                 self._retry(self._redis.zrem, self._keys["leases"], *holders)
-            return
+            return 0.0
         self._call_finish(holders, event, pause_s, h, refund)
+        return pause_s
 
     def _call_finish(self, holders: list[str], event: str, pause_s: float, h: RateLimitHeaders,
                      refund: float) -> None:

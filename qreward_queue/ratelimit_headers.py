@@ -154,6 +154,11 @@ class RateLimitHeaders:
             max_pause_s=max_pause_s,
         )
 
+    def rate_left(self) -> bool:
+        """True when the headers say requests (and tokens, if told) remain: a 429 then means
+        too many calls in flight, not an exhausted rate."""
+        return bool(self.remaining_requests) and self.remaining_tokens != 0
+
     def pause_s(self, default_s: float = 1.0) -> float:
         """How long a 429 should pause the backend: Retry-After, else the reset of an
         exhausted limit, else `default_s`; never more than `max_pause_s`."""

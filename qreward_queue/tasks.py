@@ -174,12 +174,11 @@ class ChunkRunner:
             except LimiterBusy as busy:  # a retry could not start soon: leave it for later
                 self.busy_s = busy.wait_s
                 return
-            except RateLimited as exc:  # the limiter now holds everyone back; go again
+            except RateLimited as exc:  # go again once the caller's wait is over
                 throttled += 1
                 grant = None
                 if throttled < MAX_THROTTLED_CALLS:
-                    if self.limiter is None:  # nobody else waits for us: honour Retry-After
-                        time.sleep(exc.retry_after_s or backoff_s(self.config.retry, throttled))
+                    time.sleep(self._throttled_wait(exc, throttled))
                     continue
                 result: Call | ScoringError = exc
             except PermanentError as exc:
@@ -230,8 +229,10 @@ class ChunkRunner:
                 grant.wait()
             call = self.client.call(batch)
         except ScoringError as exc:
-            self._learn(grant, exc.status_code, exc.headers, exc.timed_out,
-                        failed=isinstance(exc, TransientError))
+            paused = self._learn(grant, exc.status_code, exc.headers, exc.timed_out,
+                                 failed=isinstance(exc, TransientError))
+            if paused:  # the limiter holds everyone back: no wait of the caller's own
+                exc.retry_after_s = 0.0
             raise
         except BaseException:
             if grant is not None:
@@ -242,14 +243,23 @@ class ChunkRunner:
         self._learn(grant, call.status_code, call.headers, False, failed=False)
         return call
 
+    def _throttled_wait(self, exc: RateLimited, throttled: int) -> float:
+        """A 429'd call's own wait: Retry-After (bounded), else a backoff without a limiter."""
+        if exc.retry_after_s is not None:
+            return exc.retry_after_s
+        return 0.0 if self.limiter is not None else backoff_s(self.config.retry, throttled)
+
     def _learn(self, grant: Grant | None, status_code, headers, timed_out: bool,
-               failed: bool) -> None:
+               failed: bool) -> float:
+        """Tell the limiter and breaker how the call went; the pause it ordered (0: none)."""
+        paused = 0.0
         if grant is not None:
-            grant.finish(status_code, headers, timed_out)
+            paused = grant.finish(status_code, headers, timed_out)
         elif self.limiter is not None:
-            self.limiter.feedback(status_code, headers, timed_out=timed_out)
+            paused = self.limiter.feedback(status_code, headers, timed_out=timed_out)
         if self.breaker is not None:  # a 429 counts as alive: flow control handles it
             self.breaker.failure() if failed else self.breaker.success()
+        return paused
 
 
 @dataclass(frozen=True)

@@ -340,9 +340,35 @@ def test_aimd_halves_once_per_cooldown_and_recovers(fake: fakeredis.FakeRedis) -
         for _ in range(expected - 1):  # `limit` successes add one
             limiter.feedback(200, None)
         assert limiter.status()["adaptive_limit"] == expected
-    for _ in range(200):
+    for _ in range(600):  # near the last cut (8) growth is slower; above it fast again
         limiter.feedback(200, None)
     assert limiter.status()["adaptive_limit"] == 16  # capped at the configured maximum
+
+
+def test_congestion_429_cuts_concurrency_gently_near_the_last_cut_and_pauses_no_one(
+    fake: fakeredis.FakeRedis,
+) -> None:
+    limiter = Limiter(fake, "b", rpm=6000, max_concurrent=64, aimd_cooldown_s=0)
+    congested = {"retry-after-ms": "200", "x-ratelimit-remaining-requests": "90"}
+    # a 429 with requests left: too many in flight, not an exhausted rate
+    assert limiter.feedback(429, congested) == 0.0
+    status = limiter.status()
+    assert (status["adaptive_limit"], status["paused_for_s"], status["recent_429s"]) == (32, 0, 1)
+    limiter.feedback(429, congested)  # far below the last cut (64): halves again
+    assert limiter.status()["adaptive_limit"] == 16
+    for _ in range(sum(range(16, 29))):  # +1 per `limit` successes up to 0.9 x the last cut
+        limiter.feedback(200, None)
+    assert limiter.status()["adaptive_limit"] == 29
+    for _ in range(8 * 29 - 1):  # near the last cut (32) the server's limit is probed slowly
+        limiter.feedback(200, None)
+    assert limiter.status()["adaptive_limit"] == 29
+    limiter.feedback(200, None)
+    assert limiter.status()["adaptive_limit"] == 30
+    limiter.feedback(429, congested)  # back near the last cut: a gentle cut, not a halving
+    assert limiter.status()["adaptive_limit"] == 25
+    # an exhausted rate still pauses everyone and leaves the concurrency alone
+    paused = limiter.feedback(429, {"retry-after": "2", "x-ratelimit-remaining-requests": "0"})
+    assert paused == 2.0 and limiter.status()["adaptive_limit"] == 25
 
 
 def test_aimd_floor_and_lease_cap(fake: fakeredis.FakeRedis, sleeps: list[float]) -> None:

@@ -2,7 +2,9 @@
 -- apply what the backend answered (header sync, a 429 pause, the AIMD controller) and release
 -- the call's lease. Also used without a lease for plain feedback and pauses.
 -- KEYS[1] bucket hash, KEYS[2] leases zset, KEYS[3] aimd hash, KEYS[4] recent-429 counter
--- args: holders (leases to release), event ('ok' | '429' | 'timeout' | ''), max_concurrent
+-- args: holders (leases to release), event ('ok' | 'exhausted' (a 429, rate used up) |
+--   'congested' (a 429 with rate left: too many in flight) | '429' (a 429 saying neither) |
+--   'timeout' | ''), max_concurrent
 --   (0 = no AIMD), aimd_cooldown_ms, pause_ms (0 = none), limits: [{name, cap, rate, refund
 --   (booked minus used; < 0 charges an overrun), remaining, limit_rate (per ms), reset_ms}]
 --   (the header fields are absent when the reply did not carry them), bounded (what the
@@ -10,6 +12,11 @@
 -- Returns {limit}: the adaptive concurrency limit (-1 without max_concurrent).
 local HRATE_KEEP_MS = 600000   -- a learned lower rate outlives an idle bucket by 10 minutes
 local AIMD_IDLE_MS = 600000    -- an idle controller forgets its state after 10 minutes
+local PROBE_SLOWDOWN = 8       -- near the last cut, growth takes this many times longer
+local NEAR_CEILING = 0.9       -- "near": at least this share of the limit at the last cut
+local NEAR_CUT = 0.75          -- a failure at this share of the last cut or more cuts gently
+local GENTLE_CUT = 0.85
+local FORGET_ABOVE = 1.25      -- climbing this far above the last cut forgets it
 local RECENT_429_S = 60
 local BOUNDED_KEEP_MS = 600000
 local bucket, event = KEYS[1], args.event
@@ -63,24 +70,34 @@ end
 if keep > 0 then set.keep_until = num(keep) end
 save_limits(bucket, h, limits, now, set)
 
-if event == '429' and redis.call('INCR', KEYS[4]) == 1 then
+if (event == '429' or event == 'exhausted' or event == 'congested')
+    and redis.call('INCR', KEYS[4]) == 1 then
   redis.call('EXPIRE', KEYS[4], RECENT_429_S)
 end
 local max_conc = args.max_concurrent
 if max_conc <= 0 then return cjson.encode({limit = -1}) end
-local a = redis.call('HMGET', KEYS[3], 'limit', 'ok', 'cut_at')
+local a = redis.call('HMGET', KEYS[3], 'limit', 'ok', 'cut_at', 'ceiling')
 local limit = math.min(max_conc, tonumber(a[1]) or max_conc)
-local ok = tonumber(a[2]) or 0
+local ok, ceiling = tonumber(a[2]) or 0, tonumber(a[4])
 if event == 'ok' then
-  -- additive increase: +1 after `limit` successes
+  -- additive increase: +1 after `limit` successes; near the level of the last cut (`ceiling`)
+  -- only after PROBE_SLOWDOWN times as many, so a server's real limit is probed gently; well
+  -- above it the ceiling is forgotten (the server's limit came back) and growth is fast again
   ok = ok + 1
-  if ok >= limit then limit, ok = math.min(max_conc, limit + 1), 0 end
-elseif event == '429' or event == 'timeout' then
-  -- multiplicative decrease, once per cooldown so one burst of failures halves only once
+  local near = ceiling and limit >= NEAR_CEILING * ceiling
+  if ok >= (near and PROBE_SLOWDOWN or 1) * limit then limit, ok = math.min(max_conc, limit + 1), 0 end
+  if ceiling and limit > FORGET_ABOVE * ceiling then
+    redis.call('HDEL', KEYS[3], 'ceiling')
+  end
+elseif event == 'congested' or event == 'timeout' or event == '429' then
+  -- multiplicative decrease, once per cooldown so one burst of failures cuts only once: by
+  -- half, or by GENTLE_CUT when the limit had climbed back near the last cut
   local cut_at = tonumber(a[3])
   if not cut_at or now >= cut_at + args.aimd_cooldown_ms then
-    limit, ok = math.max(1, math.floor(limit / 2)), 0
-    redis.call('HSET', KEYS[3], 'cut_at', num(now))
+    local near = ceiling and limit >= NEAR_CUT * ceiling
+    local cut = near and math.min(limit - 1, math.floor(limit * GENTLE_CUT)) or math.floor(limit / 2)
+    redis.call('HSET', KEYS[3], 'cut_at', num(now), 'ceiling', limit)
+    limit, ok = math.max(1, cut), 0
   end
 else
   return cjson.encode({limit = limit})
