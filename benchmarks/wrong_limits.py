@@ -9,8 +9,8 @@ R  rpm: the file says rpm 6000, the judge allows 1800 (30/s), 64 in flight, late
    900 samples.
 
 qrq runs with 2 `qrq worker` processes, pooled by the README's rule from the FILE's limits.
-The baseline in the same run is an asyncio + aiohttp Semaphore(64) client (what the file
-suggests), backing off on 429. The judge's counters are read at t = 10 s, so throughput and
+The baselines in the same run are asyncio + aiohttp Semaphore clients backing off on 429:
+one with 64 (what the file suggests) and an oracle told the server's real concurrency. The judge's counters are read at t = 10 s, so throughput and
 429s are reported after the first 10 s (when qrq has learned the limit) and overall.
 Targets after 10 s: >= 90% of the real limit, < 2% 429. Never exits non-zero on a miss.
 """
@@ -92,9 +92,12 @@ def scenario(name: str, redis_url: str) -> list[dict]:
         samples = samples_for(n)
         want = expected_scores(app.qrq_config, samples, ["judge"] * n)
 
-        def semaphore() -> int:
-            got = baselines.async_semaphore(backend, samples, 64)
-            return sum(not r.ok or abs(r.score - w) > 1e-9 for r, w in zip(got, want, strict=True))
+        def semaphore(width: int):
+            def client() -> int:
+                got = baselines.async_semaphore(backend, samples, width)
+                return sum(not r.ok or abs(r.score - w) > 1e-9
+                           for r, w in zip(got, want, strict=True))
+            return client
 
         def qrq() -> int:
             out = qreward_queue.submit_batch(samples, route="judge", app=app).outcomes()
@@ -107,7 +110,9 @@ def scenario(name: str, redis_url: str) -> list[dict]:
         finally:
             for w in workers:
                 w.stop()
-        rows.append(run(name, "async_semaphore", judge, real_limit, semaphore))
+        rows.append(run(name, "async_semaphore", judge, real_limit, semaphore(64)))
+        oracle = server["max_concurrent"]
+        rows.append(run(name, f"oracle_semaphore({oracle})", judge, real_limit, semaphore(oracle)))
     print(f"\n== {name}: {title}; real limit {real_limit:g}/s, {n} samples")
     print(f"{'client':<17}{'wall_s':>8}{'per_s':>8}{'of_limit':>9}{'429%':>7}"
           f"{'after10_of_limit':>17}{'after10_429%':>13}{'wrong/lost':>11}")

@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import random
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -158,12 +159,14 @@ class Limiter:
         finally:
             grant.finish()
 
-    def reserve(self, count: int, tokens: float = 0, max_wait_s: float = 30.0) -> list[Grant]:
+    def reserve(self, count: int, tokens: float = 0, max_wait_s: float = 30.0,
+                wake: threading.Event | None = None) -> list[Grant]:
         """Book up to ``count`` calls of ``tokens`` each in one round trip; at least one.
 
         Fewer come back when leases run out. Each grant must be waited (``grant.wait()``) and
-        finished (``grant.finish(...)``). Polls while no lease is free; raises `LimiterBusy`
-        when not even one call could start within ``max_wait_s``.
+        finished (``grant.finish(...)``). Polls while no lease is free, at once when ``wake``
+        is set (a lease of this process was released); raises `LimiterBusy` when not even
+        one call could start within ``max_wait_s``.
         """
         prefix = uuid.uuid4().hex
         deadline = time.monotonic() + max_wait_s
@@ -180,7 +183,11 @@ class Limiter:
             wait_s = reply["wait_ms"] / 1000
             if reply["reason"] != "lease" or time.monotonic() + wait_s > deadline:
                 raise LimiterBusy(wait_s, reply["reason"])
-            time.sleep(wait_s * random.uniform(0.5, 1.5))
+            pause = wait_s * random.uniform(0.5, 1.5)
+            if wake is None:
+                time.sleep(pause)
+            elif wake.wait(pause):
+                wake.clear()
 
     def feedback(self, status_code: int | None, headers: Mapping[str, str] | None = None,
                  timed_out: bool = False) -> float:

@@ -58,6 +58,7 @@ class CallPool:
     def __init__(self, size: int):
         self.slots = threading.BoundedSemaphore(size)
         self.executor = ThreadPoolExecutor(size, thread_name_prefix="qrq-call")
+        self.released = threading.Event()  # a call ended: its lease is free, poll again now
 
     def take(self, wanted: int) -> int:
         """Block for one slot, then take up to `wanted` in all without waiting."""
@@ -70,6 +71,7 @@ class CallPool:
     def give(self, count: int = 1) -> None:
         for _ in range(count):
             self.slots.release()
+        self.released.set()
 
 
 _pools: dict[str, CallPool] = {}
@@ -135,7 +137,7 @@ class ChunkRunner:
             tokens = max(self.client.estimate_tokens([samples[i] for i in calls[k]])
                          for k in range(slots)) if self.limiter else 0
             try:
-                grants = self._grants(slots, tokens)
+                grants = self._grants(slots, tokens, pool.released)
             except LimiterBusy as busy:
                 self.busy_s = busy.wait_s
                 pool.give(slots)
@@ -150,10 +152,10 @@ class ChunkRunner:
             future.result()  # a bug in a call surfaces here rather than vanishing
         return self
 
-    def _grants(self, count: int, tokens: float) -> list[Grant | None]:
+    def _grants(self, count: int, tokens: float, wake: threading.Event) -> list[Grant | None]:
         if self.limiter is None:
             return [None] * count
-        return list(self.limiter.reserve(count, tokens, MAX_LIMITER_WAIT_S))
+        return list(self.limiter.reserve(count, tokens, MAX_LIMITER_WAIT_S, wake))
 
     def _slot(self, pool: CallPool, samples: list[dict], positions: list[int],
               grant: Grant | None) -> None:

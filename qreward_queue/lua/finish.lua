@@ -12,10 +12,10 @@
 -- Returns {limit}: the adaptive concurrency limit (-1 without max_concurrent).
 local HRATE_KEEP_MS = 600000   -- a learned lower rate outlives an idle bucket by 10 minutes
 local AIMD_IDLE_MS = 600000    -- an idle controller forgets its state after 10 minutes
-local PROBE_SLOWDOWN = 8       -- near the last cut, growth takes this many times longer
-local NEAR_CEILING = 0.9       -- "near": at least this share of the limit at the last cut
+local PROBE_SLOWDOWN = 16      -- near the last cut, growth takes this many times longer
+local NEAR_CEILING = 0.9       -- "near": within one call of this share of the last cut
 local NEAR_CUT = 0.75          -- a failure at this share of the last cut or more cuts gently
-local GENTLE_CUT = 0.85
+local GENTLE_CUT = 0.1        -- a gentle cut takes this share (at least one call) off
 local FORGET_ABOVE = 1.25      -- climbing this far above the last cut forgets it
 local RECENT_429_S = 60
 local BOUNDED_KEEP_MS = 600000
@@ -78,26 +78,29 @@ local max_conc = args.max_concurrent
 if max_conc <= 0 then return cjson.encode({limit = -1}) end
 local a = redis.call('HMGET', KEYS[3], 'limit', 'ok', 'cut_at', 'ceiling')
 local limit = math.min(max_conc, tonumber(a[1]) or max_conc)
-local ok, ceiling = tonumber(a[2]) or 0, tonumber(a[4])
+local ok, ceiling, cut_at = tonumber(a[2]) or 0, tonumber(a[4]), tonumber(a[3])
+local cooling = cut_at and now < cut_at + args.aimd_cooldown_ms
 if event == 'ok' then
-  -- additive increase: +1 after `limit` successes; near the level of the last cut (`ceiling`)
-  -- only after PROBE_SLOWDOWN times as many, so a server's real limit is probed gently; well
-  -- above it the ceiling is forgotten (the server's limit came back) and growth is fast again
+  -- additive increase, none while cooling down from a cut: +1 after `limit` successes; near
+  -- the level of the last cut (`ceiling`) only after PROBE_SLOWDOWN times as many, so a
+  -- server's real limit is probed gently; well above it the ceiling is forgotten (the
+  -- server's limit came back) and growth is fast again
+  if cooling then return cjson.encode({limit = limit}) end
   ok = ok + 1
-  local near = ceiling and limit >= NEAR_CEILING * ceiling
+  local near = ceiling and limit >= NEAR_CEILING * ceiling - 1
   if ok >= (near and PROBE_SLOWDOWN or 1) * limit then limit, ok = math.min(max_conc, limit + 1), 0 end
   if ceiling and limit > FORGET_ABOVE * ceiling then
     redis.call('HDEL', KEYS[3], 'ceiling')
   end
 elseif event == 'congested' or event == 'timeout' or event == '429' then
   -- multiplicative decrease, once per cooldown so one burst of failures cuts only once: by
-  -- half, or by GENTLE_CUT when the limit had climbed back near the last cut
-  local cut_at = tonumber(a[3])
-  if not cut_at or now >= cut_at + args.aimd_cooldown_ms then
+  -- half, or gently (GENTLE_CUT) when the limit had climbed back near the last cut
+  ok = 0
+  if not cooling then
     local near = ceiling and limit >= NEAR_CUT * ceiling
-    local cut = near and math.min(limit - 1, math.floor(limit * GENTLE_CUT)) or math.floor(limit / 2)
+    local cut = near and limit - math.max(1, math.floor(limit * GENTLE_CUT)) or math.floor(limit / 2)
     redis.call('HSET', KEYS[3], 'cut_at', num(now), 'ceiling', limit)
-    limit, ok = math.max(1, cut), 0
+    limit = math.max(1, cut)
   end
 else
   return cjson.encode({limit = limit})
