@@ -10,8 +10,9 @@ R  rpm: the file says rpm 6000, the judge allows 1800 (30/s), 64 in flight, late
 
 qrq runs with 2 `qrq worker` processes, pooled by the README's rule from the FILE's limits.
 The baselines in the same run are asyncio + aiohttp Semaphore clients backing off on 429:
-one with 64 (what the file suggests) and an oracle told the server's real concurrency. The judge's counters are read at t = 10 s, so throughput and
-429s are reported after the first 10 s (when qrq has learned the limit) and overall.
+one with 64 (what the file suggests) and an oracle told the server's real concurrency.
+The judge's counters are read at t = 10 s, so throughput and 429s are reported after the
+first 10 s (when qrq has learned the limit) and overall.
 Targets after 10 s: >= 90% of the real limit, < 2% 429. Never exits non-zero on a miss.
 """
 
