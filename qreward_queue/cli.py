@@ -192,6 +192,28 @@ def status(config_path: str | None) -> None:
     click.echo(render_status(config))
 
 
+@cli.command()
+@config_option
+@click.option("--host", default="0.0.0.0", show_default=True,
+              help="Interface to bind (trainer nodes must reach it; 127.0.0.1 for one machine).")
+@click.option("--port", default=8000, show_default=True)
+@click.option("--route", help="Route to score on (default: the config's default route).")
+@click.option("--max-items", default=64, show_default=True, help="Samples per micro-batch.")
+@click.option("--max-wait-ms", default=20.0, show_default=True, help="Longest wait to fill one.")
+def gateway(config_path: str | None, host: str, port: int, route: str | None, max_items: int,
+            max_wait_ms: float) -> None:
+    """Remote-RM HTTP server: OpenRLHF POST /get_reward, slime POST /slime, GET /health."""
+    from .integrations.batcher import MicroBatcher
+    from .integrations.gateway import Gateway, serve
+    from .runtime import configure
+
+    app = configure(config_path)
+    app.qrq_config.route(route)  # an unknown route fails here, not at the first request
+    click.echo(describe_mode(app.qrq_config) + f"; gateway on http://{host}:{port}"
+               " (POST /get_reward, POST /slime, GET /health)")
+    serve(host, port, Gateway(route, MicroBatcher(max_items, max_wait_ms)))
+
+
 def main() -> None:
     cli(prog_name="qrq")
 

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Tier-1 trainer checks: builds .venv-trainers with the real trainer code (verl 0.9.1 + TRL 1.16.0
+# on CPU torch 2.13.0; OpenRLHF 0.11.2 with --no-deps, since its full pins need CUDA) and runs
+# tests/test_trainers_real.py there. Needs Redis on 127.0.0.1:6379 (bash .ci/test.sh starts one).
+# Usage: bash .ci/trainers.sh [pytest args]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${QRQ_TRAINERS_VENV:-.venv-trainers}
+start=$(date +%s)
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
+fi
+if ! "$VENV/bin/python" -c "import verl, trl, openrlhf" 2>/dev/null; then
+  "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
+  "$VENV/bin/python" -m pip install -q torch==2.13.0 verl==0.9.1 trl==1.16.0
+  "$VENV/bin/python" -m pip install -q --no-deps openrlhf==0.11.2
+fi
+"$VENV/bin/python" -m pip install -q -e ".[dev,gateway]"
+echo "trainer venv ready after $(( $(date +%s) - start )) s"
+"$VENV/bin/python" -m pytest -q tests/test_trainers_real.py "$@"
+echo "trainer checks took $(( $(date +%s) - start )) s"
