@@ -62,7 +62,7 @@ class QrqRewardMixin:
 
     async def _compute_rewards(self, resp: Any, prompt_str: str,
                                task_data: dict[str, Any]) -> float:
-        completion = self.tokenizer.decode(resp.output_tokens)
+        completion = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
         return await score_episode(prompt_str, completion, task_data, self.qrq_route,
                                    self.qrq_on_unscored, is_eval())
 

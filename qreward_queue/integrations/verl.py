@@ -127,8 +127,8 @@ class QrqRewardManager(RewardManagerBase):
 
     def _prompt(self, item: Any) -> str:
         ids = item.batch["prompts"]
-        mask = item.batch["attention_mask"][: ids.shape[-1]].bool()
-        return self.tokenizer.decode(ids[mask], skip_special_tokens=True)
+        mask = item.batch["attention_mask"][: ids.shape[-1]]
+        return self.tokenizer.decode(ids[mask == 1], skip_special_tokens=True)
 
 
 def _qrq_settings(config: Any) -> dict:
