@@ -200,8 +200,10 @@ def status(config_path: str | None) -> None:
 @click.option("--route", help="Route to score on (default: the config's default route).")
 @click.option("--max-items", default=64, show_default=True, help="Samples per micro-batch.")
 @click.option("--max-wait-ms", default=20.0, show_default=True, help="Longest wait to fill one.")
+@click.option("--deadline-s", type=float,
+              help="Answer by then (default 150 s for OpenRLHF, 100 s for slime).")
 def gateway(config_path: str | None, host: str, port: int, route: str | None, max_items: int,
-            max_wait_ms: float) -> None:
+            max_wait_ms: float, deadline_s: float | None) -> None:
     """Remote-RM HTTP server: OpenRLHF POST /get_reward, slime POST /slime, GET /health."""
     from .integrations.batcher import MicroBatcher
     from .integrations.gateway import Gateway, serve
@@ -211,7 +213,9 @@ def gateway(config_path: str | None, host: str, port: int, route: str | None, ma
     app.qrq_config.route(route)  # an unknown route fails here, not at the first request
     click.echo(describe_mode(app.qrq_config) + f"; gateway on http://{host}:{port}"
                " (POST /get_reward, POST /slime, GET /health)")
-    serve(host, port, Gateway(route, MicroBatcher(max_items, max_wait_ms)))
+    deadlines = {} if deadline_s is None else {"openrlhf_deadline_s": deadline_s,
+                                               "slime_deadline_s": deadline_s}
+    serve(host, port, Gateway(route, MicroBatcher(max_items, max_wait_ms), **deadlines))
 
 
 def main() -> None:

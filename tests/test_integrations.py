@@ -44,7 +44,7 @@ def app(tmp_path_factory):
     client.flushdb()
     client.close()
     with contextlib.ExitStack() as stack:
-        app, _ = start_stack(stack, tmp_path_factory.mktemp("integrations"),
+        app, *_ = start_stack(stack, tmp_path_factory.mktemp("integrations"),
                              f"redis://{REDIS_HOST}:{REDIS_PORT}/{REDIS_DB}")
         yield app
 

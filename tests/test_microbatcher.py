@@ -22,7 +22,7 @@ def numbered(n: int, tag: str = "m") -> list[dict]:
 
 @pytest.fixture
 def exact_stack(stack, tmp_path, redis_url):
-    app, _ = start_stack(stack, tmp_path, redis_url, backends=("exact",))
+    app, *_ = start_stack(stack, tmp_path, redis_url, backends=("exact",))
     return app
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from support import Worker, expected, function_backend, judge_backend, start_workers, write_config
+from support import expected, function_backend, judge_backend, start_workers, write_config
 
 import qreward_queue
 from qreward_queue.mock_judge import MockJudgeSettings, spawn
@@ -20,7 +20,7 @@ FALLBACK = -1.0  # no judge gives it, so a silently zeroed reward would show
 
 def start_stack(stack: contextlib.ExitStack, tmp_path: Path, redis_url: str,
                 backends: tuple[str, ...] = ("judge",), latency_ms: float = 20):
-    """Start the mock judge and one worker per backend; returns (app, judge)."""
+    """Start the mock judge and one worker per backend; returns (app, judge, workers)."""
     judge = stack.enter_context(spawn(MockJudgeSettings(latency_ms=latency_ms, latency_cv=0.3,
                                                         hang_s=20)))
     definitions = {
@@ -30,15 +30,13 @@ def start_stack(stack: contextlib.ExitStack, tmp_path: Path, redis_url: str,
     }
     config = write_config(tmp_path, {b: definitions[b] for b in backends}, redis_url,
                           route=backends[0], fallback_score=FALLBACK, deadline_s=60)
-    for worker in start_workers(config, [(b, f"{b}@test") for b in backends]):
+    workers = start_workers(config, [(b, f"{b}@test") for b in backends])
+    for worker in workers:
         stack.callback(worker.kill)
     app = qreward_queue.configure(config)
-    return app, judge
+    return app, judge, workers
 
 
 def judge_score(app, sample: dict) -> float:
     """The mock judge's verdict on what the "judge" backend sends for `sample`."""
     return expected(app, "judge", sample)
-
-
-__all__ = ["FALLBACK", "Worker", "judge_score", "start_stack"]

@@ -3,7 +3,8 @@
     POST /get_reward   OpenRLHF: {"query": [...], "prompts": [...], "labels": [...]}
                        -> {"rewards": [...], "scores": [...], "extra_logs": {"qrq_ok": [...]}}
     POST /slime        slime --rm-type remote_rm: {"prompt", "response", "label"} -> a number
-    GET  /health       {"status": "ok", "mode": "distributed" | "embedded", "pending": n}
+    GET  /health       {"status": "ok", "mode": "distributed" | "embedded", "pending": samples
+                        waiting, "batches_sent": batches sent so far}
 
 Both trainers send one sample per request and retry any non-2xx, and neither survives a
 missing reward, so every well-formed request is answered 200 with a number by its deadline
@@ -80,7 +81,8 @@ class Gateway:
 
     async def health(self, _: web.Request) -> web.Response:
         mode = "embedded" if get_app().qrq_config.embedded else "distributed"
-        return web.json_response({"status": "ok", "mode": mode, "pending": self.pending})
+        return web.json_response({"status": "ok", "mode": mode, "pending": self.pending,
+                                  "batches_sent": self.batcher.batches_sent})
 
     async def score(self, samples: Sequence[dict], deadline_s: float,
                     priority: Priority = "train") -> list[Outcome]:
