@@ -24,7 +24,8 @@ DEADLINE_S = 150.0  # below OpenRLHF's 180 s client timeout
 
 
 def response_of(query: str, prompt: str, eos_tokens: Sequence[str] = EOS_TOKENS) -> str:
-    """The response inside OpenRLHF's query: the prompt prefix and trailing EOS removed."""
+    """The response inside OpenRLHF's query: the prompt prefix, trailing EOS tokens and
+    surrounding whitespace removed."""
     text = query[len(prompt):] if prompt and query.startswith(prompt) else query
     stripped = True
     while stripped:
@@ -33,7 +34,7 @@ def response_of(query: str, prompt: str, eos_tokens: Sequence[str] = EOS_TOKENS)
         for eos in eos_tokens:
             if eos and text.endswith(eos):
                 text, stripped = text[: -len(eos)], True
-    return text
+    return text.strip()
 
 
 def samples_of(queries: Sequence[str], prompts: Sequence[str],
