@@ -10,7 +10,7 @@ and deadline are fixed when the function is made, so a dataset column of the sam
 override them. An unscored sample returns None: TRL >= 1.6 leaves it out of the group
 baseline (advantage 0) instead of training on a fallback score. The reference is read from
 the first present column among `reference_columns`; a `qrq_priority` column ("val") marks
-validation rows.
+validation rows, unless the function was made with a fixed `priority`.
 """
 
 from __future__ import annotations
@@ -32,10 +32,12 @@ def qrq_reward(
     route: str | None = None,
     *,
     name: str = "qrq",
+    priority: str | None = None,
     deadline_s: float | None = None,
     reference_columns: Sequence[str] = REFERENCE_COLUMNS,
 ) -> RewardFunc:
-    """An async TRL reward function scoring on `route`; `name` is TRL's column/metric name."""
+    """An async TRL reward function scoring on `route`; `name` is TRL's column/metric name.
+    A fixed `priority` wins over the `qrq_priority` column (e.g. "val" for an eval-only copy)."""
 
     async def reward(
         prompts: list[Any],
@@ -49,10 +51,10 @@ def qrq_reward(
             require_shared_limits("TRL with several processes")
         refs = next((columns[c] for c in reference_columns if c in columns), None)
         refs = refs if refs is not None else [None] * len(completions)
-        priority = columns.get("qrq_priority") or ["train"] * len(completions)
+        column = columns.get("qrq_priority") or ["train"] * len(completions)
         samples = [make_sample(p, c, r) for p, c, r in zip(prompts, completions, refs,
                                                              strict=True)]
-        priorities = ["val" if p == "val" else "train" for p in priority]
+        priorities = [priority or ("val" if p == "val" else "train") for p in column]
         outcomes = await default_batcher().score_many(samples, route, priorities, deadline_s)
         if log_extra is not None:
             log_extra(f"{name}_status", [o.status for o in outcomes])
