@@ -21,7 +21,7 @@ from .samples import Outcome
 if TYPE_CHECKING:
     from .client import RewardBatch
 
-POLL_INTERVAL_S = 0.02
+POLL_INTERVAL_S = 0.05  # as RewardBatch.outcomes() polls: one MGET per batch per round
 
 
 class _Poller:
