@@ -5,6 +5,7 @@ call it: one sample per POST, many at once, over real HTTP, onto real Redis and 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -12,7 +13,9 @@ import time
 
 import aiohttp
 import pytest
+import redis
 import requests
+from conftest import REDIS_DB, REDIS_HOST, REDIS_PORT
 from support import ROOT, free_port, wait_for
 from trainer_stack import FALLBACK, judge_score, start_stack
 
@@ -45,10 +48,17 @@ def start_gateway(stack, config, *args):
     return url
 
 
-@pytest.fixture
-def gateway(stack, tmp_path, redis_url):
-    app, *_ = start_stack(stack, tmp_path, redis_url)
-    return app, start_gateway(stack, tmp_path / "qrq.toml")
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    """One stack and gateway for the module (the last test kills its workers)."""
+    client = redis.Redis(host=REDIS_HOST, port=REDIS_PORT, db=REDIS_DB)
+    client.flushdb()
+    client.close()
+    path = tmp_path_factory.mktemp("gateway")
+    with contextlib.ExitStack() as stack:
+        app, _, workers = start_stack(stack, path,
+                                      f"redis://{REDIS_HOST}:{REDIS_PORT}/{REDIS_DB}")
+        yield app, start_gateway(stack, path / "qrq.toml"), workers
 
 
 async def post_all(url: str, bodies: list[dict]) -> list[tuple[int, object]]:
@@ -61,7 +71,7 @@ async def post_all(url: str, bodies: list[dict]) -> list[tuple[int, object]]:
 
 
 def test_openrlhf_requests_are_micro_batched_and_always_get_numbers(gateway):
-    app, url = gateway
+    app, url, _ = gateway
     responses = [OK, FAIL_500, "It is 5.", HANG] * 8
     prompts = [f"<|im_start|>user\nG{i}: 2+2?<|im_end|>\n<|im_start|>assistant\n"
                for i in range(32)]
@@ -80,7 +90,7 @@ def test_openrlhf_requests_are_micro_batched_and_always_get_numbers(gateway):
 
 
 def test_slime_remote_rm_gets_the_reward_as_the_json_body(gateway):
-    app, url = gateway
+    app, url, _ = gateway
     bodies = [{"prompt": f"S{i}: 2+2?", "response": r, "label": "4"}
               for i, r in enumerate([OK, "It is 5.", FAIL_500])]
     replies = asyncio.run(post_all(url + "/slime", bodies))
@@ -89,7 +99,7 @@ def test_slime_remote_rm_gets_the_reward_as_the_json_body(gateway):
 
 
 def test_bad_requests_get_a_400_naming_the_field(gateway):
-    _, url = gateway
+    _, url, _ = gateway
     cases = [("/get_reward", b"not json", "not JSON"),
              ("/get_reward", b'{"query": "x", "prompts": ["p"]}', "'query'"),
              ("/get_reward", b'{"query": ["a", "b"], "prompts": ["p"]}', "same length"),
@@ -100,10 +110,9 @@ def test_bad_requests_get_a_400_naming_the_field(gateway):
         assert reply.status_code == 400 and needle in reply.text, (path, reply.text)
 
 
-def test_with_no_worker_left_the_gateway_still_answers_by_its_deadline(stack, tmp_path,
-                                                                      redis_url):
-    _, _, workers = start_stack(stack, tmp_path, redis_url)
-    url = start_gateway(stack, tmp_path / "qrq.toml")
+def test_with_no_worker_left_the_gateway_still_answers_by_its_deadline(gateway):
+    # last in the module: it kills the module's workers
+    _, url, workers = gateway
     for worker in workers:
         worker.kill()
     body = {"query": ["p" + OK], "prompts": ["p"], "labels": ["4"]}
