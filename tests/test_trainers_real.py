@@ -238,3 +238,26 @@ def test_openrlhf_single_turn_executor_scores_through_qrq_gateway(app, stack_dir
                                                                     "4"))
         assert out["reward"] == [want] and out["scores"] == [want]
         assert out["extra_logs"] == {"qrq_ok": [0.0 if failed else 1.0]}
+
+
+def test_trl_grpo_trains_one_step_on_qrq_rewards(app, tokenizer_dir, tmp_path):
+    pytest.importorskip("trl")
+    from datasets import Dataset
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    from trl import GRPOConfig, GRPOTrainer
+
+    from qreward_queue.integrations.trl import qrq_reward
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=16,
+                                         intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    trainer = GRPOTrainer(
+        model=model, processing_class=tok, reward_funcs=[qrq_reward("judge", name="qrq")],
+        train_dataset=Dataset.from_dict({"prompt": ["what is 2+2?"] * 4, "solution": ["4"] * 4}),
+        args=GRPOConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4,
+                        num_generations=2, max_completion_length=6, report_to=[],
+                        use_cpu=True, logging_steps=1, save_strategy="no"))
+    trainer.train()
+    logged = {k for entry in trainer.state.log_history for k in entry}
+    assert "rewards/qrq/mean" in logged and "qrq/unscored_frac" in logged, logged
