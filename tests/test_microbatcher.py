@@ -121,24 +121,26 @@ def test_awaiting_many_batches_holds_no_thread_per_batch(exact_stack):
     assert scores == [exact_match(s) for s in batches[5].samples]
 
 
-def _child_scores(conn) -> None:
-    outcome = qrq.score_one_sync({"prompt": "child", "response": "4", "reference": "4"}, "exact")
-    conn.send((outcome.status, outcome.score, id(batcher_module.default_batcher())))
+def _child_scores(conn, explicit: MicroBatcher) -> None:
+    sample = {"prompt": "child", "response": "4", "reference": "4"}
+    outcomes = [qrq.score_one_sync(sample, "exact"), explicit.submit(sample, "exact").result()]
+    conn.send([(o.status, o.score) for o in outcomes])
 
 
-def test_a_forked_child_gets_its_own_batcher(exact_stack):
+def test_a_forked_child_gets_its_own_batchers(exact_stack):
     parent = batcher_module.default_batcher()
-    first = qrq.score_one_sync({"prompt": "p", "response": "1", "reference": "2"}, "exact")
-    assert (first.status, first.score) == ("ok", 0.0)
+    explicit = MicroBatcher(max_items=8, max_wait_ms=10)
+    sample = {"prompt": "p", "response": "1", "reference": "2"}
+    first = [qrq.score_one_sync(sample, "exact"), explicit.submit(sample, "exact").result()]
+    assert [(o.status, o.score) for o in first] == [("ok", 0.0)] * 2
     ctx = multiprocessing.get_context("fork")
     receiver, sender = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_child_scores, args=(sender,))
+    child = ctx.Process(target=_child_scores, args=(sender, explicit))
     child.start()
     assert receiver.poll(60), "the child did not answer"
-    status, score, _ = receiver.recv()
+    assert receiver.recv() == [("ok", 1.0)] * 2
     child.join(10)
-    assert (status, score) == ("ok", 1.0)
-    assert batcher_module.default_batcher() is parent
+    assert batcher_module.default_batcher() is parent and explicit.batches_sent == 1
 
 
 def test_a_bad_route_fails_every_caller_of_that_flush_with_the_reason(exact_stack):

@@ -49,7 +49,13 @@ class MicroBatcher:
         if max_items < 1 or max_wait_ms < 0:
             raise ValueError("max_items must be >= 1 and max_wait_ms >= 0")
         self.max_items, self.max_wait_s = max_items, max_wait_ms / 1000
+        self._start_fresh()
+
+    def _start_fresh(self) -> None:
+        """New lock, queues and thread: at creation, and in a forked child (whose copy of the
+        parent's lock may be held and whose queued callers live in the parent)."""
         self.batches_sent = 0
+        self._pid = os.getpid()
         self._cond = threading.Condition()
         self._queues: dict[_Key, _Queue] = {}
         self._thread: threading.Thread | None = None
@@ -63,6 +69,8 @@ class MicroBatcher:
     ) -> Future:
         """Queue one sample; the returned Future resolves to its Outcome."""
         future: Future = Future()
+        if self._pid != os.getpid():
+            self._start_fresh()
         with self._cond:
             queue = self._queues.setdefault((route, priority, deadline_s), _Queue(time.monotonic()))
             queue.items.append((sample, future))
@@ -156,19 +164,17 @@ def _settle(future: Future, value: Outcome | BaseException) -> None:
 
 
 _batcher: MicroBatcher | None = None
-_batcher_pid = 0
 _lock = threading.Lock()
 
 
 def default_batcher() -> MicroBatcher:
     """This process's batcher (a forked child gets its own; settings from QRQ_BATCH_MAX_ITEMS
     and QRQ_BATCH_MAX_WAIT_MS)."""
-    global _batcher, _batcher_pid
+    global _batcher
     with _lock:
-        if _batcher is None or _batcher_pid != os.getpid():
+        if _batcher is None:
             _batcher = MicroBatcher(int(os.environ.get("QRQ_BATCH_MAX_ITEMS", 64)),
                                     float(os.environ.get("QRQ_BATCH_MAX_WAIT_MS", 20)))
-            _batcher_pid = os.getpid()
         return _batcher
 
 
