@@ -2,6 +2,9 @@
 # Tier-1 trainer checks: builds .venv-trainers with the real trainer code (verl 0.9.1 + TRL 1.16.0
 # on CPU torch 2.13.0; OpenRLHF 0.11.2 with --no-deps, since its full pins need CUDA) and runs
 # tests/test_trainers_real.py there. Needs Redis on 127.0.0.1:6379 (bash .ci/test.sh starts one).
+# torch==2.13.0 resolves to the CPU build on this machine's index; elsewhere add
+# --index-url https://download.pytorch.org/whl/cpu for torch, or pip pulls the multi-GB CUDA build.
+# Cold: ~10 min (install ~8 min on the shared 2-core machine); warm (venv kept): ~75 s.
 # Usage: bash .ci/trainers.sh [pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
