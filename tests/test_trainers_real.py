@@ -109,6 +109,14 @@ def test_verl_config_lines_resolve_to_qrq(tokenizer_dir):
     assert fn.args[0] is qrq_verl.compute_score and fn.args[1] == {"route": "judge"}
 
 
+def test_verl_plugin_registers_the_manager_as_qrq(tokenizer_dir):
+    from verl.trainer.ppo.reward import resolve_reward_manager_cls
+
+    cfg = verl_config(["reward.reward_manager.name=qrq", "+reward.qrq.route=judge"],
+                      tokenizer_dir)
+    assert resolve_reward_manager_cls(cfg) is qrq_verl.QrqRewardManager
+
+
 def verl_batch(tokenizer, i: int, response: str):
     """One finished trajectory as AgentLoopWorker._compute_score builds it (left-padded prompt,
     right-padded response, dataset fields as numpy object arrays)."""

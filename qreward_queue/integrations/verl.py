@@ -17,6 +17,9 @@ Or a plain function (verl passes no prompt: put it in extra_info["question"]):
     reward.custom_reward_function.name=compute_score
     +reward.custom_reward_function.reward_kwargs.route=judge
 
+With qrq installed, verl's plugin loader also registers the manager as "qrq":
+`reward.reward_manager.name=qrq` replaces the first three lines above.
+
 A sample that could not be scored gets the fallback score and `qrq_ok = 0.0`; every path
 returns the same `reward_extra_info` keys with non-None values, because verl builds arrays
 from the keys of the first sample. `+reward.qrq.on_unscored=raise` raises instead (the V1
@@ -36,7 +39,9 @@ from .guard import require_shared_limits, unscored_error
 
 try:  # the base class only exists where verl is installed; the interface is the same
     from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
+    from verl.experimental.reward_loop.reward_manager.registry import register
 except ImportError:  # pragma: no cover - exercised where verl is absent
+    register = None
 
     class RewardManagerBase:  # type: ignore[no-redef]
         def __init__(self, config: Any, tokenizer: Any, compute_score: Any = None):
@@ -135,3 +140,7 @@ def _qrq_settings(config: Any) -> dict:
     reward = config.get("reward") if hasattr(config, "get") else None
     found = reward.get("qrq") if reward is not None and hasattr(reward, "get") else None
     return dict(found or {})
+
+
+if register is not None:  # `reward.reward_manager.name=qrq` (with the verl.plugins entry point)
+    register("qrq")(QrqRewardManager)
