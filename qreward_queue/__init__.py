@@ -13,6 +13,7 @@ from .errors import (
     TransientError,
     UnknownRoute,
 )
+from .integrations.batcher import MicroBatcher, score_one, score_one_sync
 from .runtime import configure, get_app
 from .samples import Outcome
 
@@ -20,6 +21,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "InvalidSamples",
+    "MicroBatcher",
     "Outcome",
     "PermanentError",
     "QrqError",
@@ -33,5 +35,7 @@ __all__ = [
     "get_app",
     "load_config",
     "score",
+    "score_one",
+    "score_one_sync",
     "submit_batch",
 ]

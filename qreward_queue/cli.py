@@ -1,4 +1,4 @@
-"""qrq: demo, score, worker, status, dead-letters, mock-judge. Errors are one clear line.
+"""qrq: demo, score, worker, status, gateway, dead-letters, mock-judge. One-line errors.
 
 Exit status: 0 success; 2 nothing could run (usage, configuration, Redis unreachable); for
 `qrq score` also 1 when some samples were not scored and 3 when none was.
@@ -280,6 +280,32 @@ def dead_letters(config_path: str | None, limit: int) -> None:
         raise ConfigError("qrq dead-letters needs Redis: set QRQ_REDIS_URL or [redis] url")
     for entry in read(redis.Redis.from_url(config.redis_url), limit):
         click.echo(json.dumps(entry))
+
+
+@cli.command()
+@config_option
+@click.option("--host", default="0.0.0.0", show_default=True,
+              help="Interface to bind (trainer nodes must reach it; 127.0.0.1 for one machine).")
+@click.option("--port", default=8000, show_default=True)
+@click.option("--route", help="Route to score on (default: the config's default route).")
+@click.option("--max-items", default=64, show_default=True, help="Samples per micro-batch.")
+@click.option("--max-wait-ms", default=20.0, show_default=True, help="Longest wait to fill one.")
+@click.option("--deadline-s", type=float,
+              help="Answer by then (default 150 s for OpenRLHF, 100 s for slime).")
+def gateway(config_path: str | None, host: str, port: int, route: str | None, max_items: int,
+            max_wait_ms: float, deadline_s: float | None) -> None:
+    """Remote-RM HTTP server: OpenRLHF POST /get_reward, slime POST /slime, GET /health."""
+    from .integrations.batcher import MicroBatcher
+    from .integrations.gateway import Gateway, serve
+    from .runtime import configure
+
+    app = configure(config_path)
+    app.qrq_config.route(route)  # an unknown route fails here, not at the first request
+    click.echo(describe_mode(app.qrq_config) + f"; gateway on http://{host}:{port}"
+               " (POST /get_reward, POST /slime, GET /health)")
+    deadlines = {} if deadline_s is None else {"openrlhf_deadline_s": deadline_s,
+                                               "slime_deadline_s": deadline_s}
+    serve(host, port, Gateway(route, MicroBatcher(max_items, max_wait_ms), **deadlines))
 
 
 def main() -> None:

@@ -8,7 +8,6 @@ validate -> dedup -> cache lookup -> plan chunks over the route (weight x free c
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -116,8 +115,17 @@ class RewardBatch:
 
     scores = get
 
+    async def outcomes_async(self, timeout: float | None = None) -> list[Outcome]:
+        """`outcomes()` for asyncio: one process-wide poller thread serves every awaiter."""
+        from . import aio
+
+        return await aio.outcomes(self, timeout)
+
     def __await__(self) -> Generator[Any, None, list[float]]:
-        return asyncio.get_running_loop().run_in_executor(None, self.get).__await__()
+        async def scores() -> list[float]:
+            return [o.score for o in await self.outcomes_async()]
+
+        return scores().__await__()
 
     # -- sending -------------------------------------------------------------------------------
 

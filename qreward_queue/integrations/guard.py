@@ -1,0 +1,41 @@
+"""What integrations refuse to pretend: shared limits in embedded mode, a score that is none.
+
+Embedded mode gives every process its own in-memory limiter, so verl's 8 reward workers (or
+N TRL ranks) would each drive the judge at its full limit. Integrations call
+`require_shared_limits` once per process: with embedded mode it raises a ConfigError saying
+that QRQ_REDIS_URL is needed, unless QRQ_ALLOW_EMBEDDED=1 (one process, demos) turns that
+into a warning.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+from ..errors import ConfigError, ScoringError
+from ..runtime import get_app
+from ..samples import Outcome
+
+ALLOW_ENV = "QRQ_ALLOW_EMBEDDED"
+
+
+def require_shared_limits(trainer: str) -> None:
+    """Raise (or warn, with QRQ_ALLOW_EMBEDDED=1) when qrq runs embedded under `trainer`."""
+    if not get_app().qrq_config.embedded:
+        return
+    message = (
+        f"qrq: {trainer} scores rewards from several processes, but qrq runs in embedded mode "
+        "(no Redis URL), so each process would hold its own limiter and together over-drive "
+        "the judge. Set QRQ_REDIS_URL (and QRQ_CONFIG) in every trainer process, e.g. for "
+        "verl: +ray_kwargs.ray_init.runtime_env.env_vars.QRQ_REDIS_URL=redis://host:6379/0"
+    )
+    if os.environ.get(ALLOW_ENV) != "1":
+        raise ConfigError(message + f" (or {ALLOW_ENV}=1 if this really is one process)")
+    warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+
+def unscored_error(outcome: Outcome) -> ScoringError:
+    """The error to raise for trainers that drop a sample on an exception (verl V1, AReaL)."""
+    return ScoringError(
+        f"qrq could not score the sample ({outcome.status}): {outcome.error}", outcome.detail
+    )
