@@ -50,11 +50,19 @@ def estimate_tokens(text: str, max_output_tokens: int = 0) -> int:
 
 
 def _load_scripts(client: redis.Redis) -> dict[str, Script]:
-    """EVALSHA handles for every script, each prefixed with the shared ``lib.lua``."""
+    """EVALSHA handles for every script, each prefixed with the shared ``lib.lua`` and without
+    comments (the embedded mode's fakeredis compiles the text on every call)."""
     lua = resources.files("qreward_queue") / "lua"
     lib = (lua / "lib.lua").read_text()
-    return {name: client.register_script(lib + (lua / f"{name}.lua").read_text())
+    return {name: client.register_script(_code(lib + (lua / f"{name}.lua").read_text()))
             for name in _SCRIPT_KEYS}
+
+
+def _code(lua: str) -> str:
+    """Lua without comment lines, trailing comments and blank lines (our scripts hold no
+    '--' inside a string)."""
+    lines = (line.split("--", 1)[0].rstrip() for line in lua.splitlines())
+    return "\n".join(line for line in lines if line)
 
 
 def _as_list(value: Any) -> list:

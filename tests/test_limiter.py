@@ -170,7 +170,8 @@ def test_a_tpm_wait_does_not_let_rpm_burst(fake: fakeredis.FakeRedis, sleeps: li
         now = time.time()  # start times, not waits: real time passes between the bookings
         starts.append(now + book(limiter, tokens=tokens))
     starts = [s - starts[0] + 2.0 for s in starts]
-    assert starts == sorted(starts)
+    # served in booking order (the client's clock is read just before each booking)
+    assert all(b >= a - 0.01 for a, b in itertools.pairwise(starts))
     # Then calls booked during the wait still start within RPM: burst 10, then 10 per second
     assert max(sum(t <= s < t + 1 for s in starts) for t in starts) <= 10 + 10 + 1
     assert starts[-1] - starts[0] == pytest.approx((31 - 10) / 10, abs=0.1)
@@ -336,11 +337,13 @@ def test_aimd_halves_once_per_cooldown_and_recovers(fake: fakeredis.FakeRedis) -
     time.sleep(1.05)
     limiter.feedback(None, None, timed_out=True)
     assert limiter.status()["adaptive_limit"] == 4
+    limiter.feedback(200, None)  # no growth while cooling down from the cut
+    time.sleep(1.05)
     for expected in (5, 6):
         for _ in range(expected - 1):  # `limit` successes add one
             limiter.feedback(200, None)
         assert limiter.status()["adaptive_limit"] == expected
-    for _ in range(600):  # near the last cut (8) growth is slower; above it fast again
+    for _ in range(1500):  # near the last cut (8) growth is slower; above it fast again
         limiter.feedback(200, None)
     assert limiter.status()["adaptive_limit"] == 16  # capped at the configured maximum
 
@@ -356,19 +359,19 @@ def test_congestion_429_cuts_concurrency_gently_near_the_last_cut_and_pauses_no_
     assert (status["adaptive_limit"], status["paused_for_s"], status["recent_429s"]) == (32, 0, 1)
     limiter.feedback(429, congested)  # far below the last cut (64): halves again
     assert limiter.status()["adaptive_limit"] == 16
-    for _ in range(sum(range(16, 29))):  # +1 per `limit` successes up to 0.9 x the last cut
+    for _ in range(sum(range(16, 28))):  # +1 per `limit` successes up to near the last cut
         limiter.feedback(200, None)
-    assert limiter.status()["adaptive_limit"] == 29
-    for _ in range(8 * 29 - 1):  # near the last cut (32) the server's limit is probed slowly
+    assert limiter.status()["adaptive_limit"] == 28
+    for _ in range(16 * 28 - 1):  # near the last cut (32) the server's limit is probed slowly
         limiter.feedback(200, None)
-    assert limiter.status()["adaptive_limit"] == 29
+    assert limiter.status()["adaptive_limit"] == 28
     limiter.feedback(200, None)
-    assert limiter.status()["adaptive_limit"] == 30
-    limiter.feedback(429, congested)  # back near the last cut: a gentle cut, not a halving
-    assert limiter.status()["adaptive_limit"] == 25
+    assert limiter.status()["adaptive_limit"] == 29
+    limiter.feedback(429, congested)  # back near the last cut: a gentle cut (10%), no halving
+    assert limiter.status()["adaptive_limit"] == 27
     # an exhausted rate still pauses everyone and leaves the concurrency alone
     paused = limiter.feedback(429, {"retry-after": "2", "x-ratelimit-remaining-requests": "0"})
-    assert paused == 2.0 and limiter.status()["adaptive_limit"] == 25
+    assert paused == 2.0 and limiter.status()["adaptive_limit"] == 27
 
 
 def test_aimd_floor_and_lease_cap(fake: fakeredis.FakeRedis, sleeps: list[float]) -> None:
