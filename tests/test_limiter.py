@@ -7,6 +7,7 @@ so the booked schedule can be checked exactly and fast. Real timing is in test_l
 from __future__ import annotations
 
 import gc
+import itertools
 import time
 from types import SimpleNamespace
 
