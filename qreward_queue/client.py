@@ -19,6 +19,7 @@ import redis
 from celery import group
 from celery.states import READY_STATES
 
+from . import metrics
 from .app import PRIORITIES, QrqCelery
 from .cache import ScoreCache, content_key, reward_identity
 from .config import Route
@@ -286,6 +287,8 @@ def submit_batch(
         else None
     )
     hits = cache.get_many(list(first)) if cache else {}
+    if cache:
+        metrics.record_cache(app.store, the_route.name, len(first), len(hits))
     for key, outcome in hits.items():
         for j in [first[key], *copies.get(first[key], ())]:
             outcomes[j] = replace(outcome, id=_id(samples[j]))

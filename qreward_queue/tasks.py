@@ -14,6 +14,7 @@ import time
 from contextlib import nullcontext
 from functools import cache
 
+from . import metrics
 from .backends import BackendClient, Call, make_backend
 from .breaker import CircuitBreaker
 from .config import Backend, Retry
@@ -123,7 +124,10 @@ class ChunkRunner:
             else nullcontext()
         )
         try:
+            asked = time.monotonic()
             with guard as grant:
+                if grant is not None:
+                    metrics.record_limiter_wait(self.config.name, time.monotonic() - asked)
                 return self._call(batch, grant)
         except LimiterBusy:  # the call never happened: a half-open probe goes to someone else
             if self.breaker is not None:
@@ -131,13 +135,17 @@ class ChunkRunner:
             raise
 
     def _call(self, batch: list[dict], grant) -> Call:
+        started = time.monotonic()
         try:
             call = self.client.call(batch)
         except ScoringError as exc:
+            metrics.record_request(self.config.name, exc.status_code, time.monotonic() - started,
+                                   "timeout" if exc.timed_out else "error")
             self._learn(
                 exc.status_code, exc.headers, exc.timed_out, failed=isinstance(exc, TransientError)
             )
             raise
+        metrics.record_request(self.config.name, call.status_code, time.monotonic() - started)
         self._learn(call.status_code, call.headers, False, failed=False)
         if grant is not None and call.tokens is not None:
             grant.settle(actual_tokens=call.tokens)
@@ -190,14 +198,17 @@ def score_chunk(
     kwargs = dict(self.request.kwargs, done=done)
     time_left = deadline is None or time.time() < deadline
     if runner.busy_s is not None and time_left:  # a long limiter wait: free the slot meanwhile
+        metrics.record_retry(backend, "limiter_busy")
         raise self.retry(kwargs=kwargs, countdown=runner.busy_s)
     circuit_open = bool(siblings) and breaker is not None and breaker.is_open()
     if attempt < policy.attempts and time_left and not circuit_open:
+        metrics.record_retry(backend, "backoff")
         raise self.retry(
             kwargs=dict(kwargs, attempt=attempt + 1), countdown=backoff_s(policy, attempt)
         )
     if siblings and time_left:
         target = failover_target(app, siblings, len(retry_later))
+        metrics.record_retry(backend, "failover", to=target)
         raise self.retry(
             kwargs=dict(kwargs, backend=target, attempt=1, tried=[*(tried or []), backend]),
             queue=app.backend_config(target).queue,
