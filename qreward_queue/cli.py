@@ -217,13 +217,15 @@ def status(config_path: str | None, watch: bool, interval: float, as_json: bool)
               help="Mean duration of one backend call.")
 @click.option("--cpu-ms", type=float, default=1.0, show_default=True,
               help="CPU per sample of function backends.")
+@click.option("--call-cpu-ms", type=float, default=11.0, show_default=True,
+              help="Worker CPU per HTTP call (qrq's own work around it).")
 @click.option("--workers", "workers", multiple=True, metavar="BACKEND=N",
               help="Worker processes of a backend (default 1 each); repeatable.")
 @click.option("--cores", type=int, help="CPU cores of the worker machines (default: this one's).")
 @click.option("--target-s", type=float, help="Say what to change to finish within this time.")
 @click.option("--json", "as_json", is_flag=True)
-def plan(config_path, route, n, prompt_tokens, response_tokens, latency_ms, cpu_ms, workers,
-         cores, target_s, as_json) -> None:
+def plan(config_path, route, n, prompt_tokens, response_tokens, latency_ms, cpu_ms, call_cpu_ms,
+         workers, cores, target_s, as_json) -> None:
     """Predict the reward step's wall time, the binding limit of each backend, what to change."""
     from .plan import Workload, plan_route, render_plan
 
@@ -234,8 +236,8 @@ def plan(config_path, route, n, prompt_tokens, response_tokens, latency_ms, cpu_
         if name not in config.backends or not count.isdigit():
             raise ConfigError(f"--workers {item!r}: expected BACKEND=N with a known backend")
         counts[name] = int(count)
-    work = Workload(n, prompt_tokens, response_tokens, latency_ms / 1000, cpu_ms / 1000, counts,
-                    **({"cores": cores} if cores else {}))
+    work = Workload(n, prompt_tokens, response_tokens, latency_ms / 1000, cpu_ms / 1000,
+                    call_cpu_ms / 1000, counts, **({"cores": cores} if cores else {}))
     result = plan_route(config, route, work, target_s)
     click.echo(json.dumps(result.to_dict()) if as_json else render_plan(result))
 

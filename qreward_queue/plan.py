@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from .config import Backend, Config
 from .limiter import estimate_tokens
 
-HTTP_CPU_S_PER_CALL = 0.011  # qrq worker CPU per judge request (README: 9.6-12.1 ms measured)
+SERVICE_LIMITS = ("rpm", "tpm", "concurrency")  # the service sets these; we cannot raise them
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,7 @@ class Workload:
     response_tokens: float = 512
     latency_s: float = 1.0  # one backend call (HTTP) or one chunk of a function (CPU)
     cpu_s_per_sample: float = 0.001  # function backends
+    cpu_s_per_call: float = 0.011  # qrq's own CPU around one HTTP call (README: 9.6-12.1 ms)
     workers: dict[str, int] = field(default_factory=dict)  # backend -> worker processes (1)
     cores: int = field(default_factory=lambda: os.cpu_count() or 1)
 
@@ -52,7 +53,6 @@ class BackendPlan:
     rates: dict[str, float]  # limit name -> calls/s it allows
     binding: str
     wall_s: float
-    advice: list[str] = field(default_factory=list)
 
     @property
     def calls_per_s(self) -> float:
@@ -66,6 +66,7 @@ class Plan:
     wall_s: float
     backends: list[BackendPlan]
     target_s: float | None = None
+    advice: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "samples_per_s": round(self.n / self.wall_s, 2)}
@@ -87,85 +88,96 @@ def tokens_per_call(backend: Backend, work: Workload) -> int:
     return samples_per_call(backend) * estimate_tokens(filler["prompt"] + filler["response"])
 
 
+def cpu_s_per_call(backend: Backend, work: Workload) -> float:
+    """Worker CPU one call costs: the function itself, or qrq's own work around an HTTP call."""
+    if backend.kind == "function":
+        return work.cpu_s_per_sample * samples_per_call(backend)
+    return work.cpu_s_per_call
+
+
 def backend_rates(backend: Backend, work: Workload) -> tuple[dict[str, float], int | None]:
-    """Calls/s each limit allows for this backend (only the limits that exist)."""
+    """Calls/s each of this backend's own limits allows (the shared CPU comes later)."""
     limits, pool = backend.limits, backend.pool
-    workers = work.workers.get(backend.name, 1)
     rates: dict[str, float] = {}
     tokens = tokens_per_call(backend, work) if limits.tpm else None
     if limits.rpm:
         rates["rpm"] = limits.rpm / 60
     if limits.tpm and tokens:
         rates["tpm"] = limits.tpm / 60 / tokens
-    if backend.kind == "function":
-        cpu_s = work.cpu_s_per_sample * samples_per_call(backend)
-        rates["worker threads"] = workers * pool.concurrency / cpu_s
-        rates["CPU"] = work.cores / cpu_s
-    else:
-        if limits.max_concurrent:
-            rates["concurrency"] = limits.max_concurrent / work.latency_s
-        rates["worker threads"] = workers * pool.concurrency / work.latency_s
-        rates["CPU"] = work.cores / HTTP_CPU_S_PER_CALL
+    if limits.max_concurrent and backend.kind != "function":
+        rates["concurrency"] = limits.max_concurrent / work.latency_s
+    busy_s = cpu_s_per_call(backend, work) if backend.kind == "function" else work.latency_s
+    rates["worker threads"] = work.workers.get(backend.name, 1) * pool.concurrency / busy_s
     return rates, tokens
 
 
 def plan_route(config: Config, route_name: str | None, work: Workload,
                target_s: float | None = None) -> Plan:
-    """Predict the step's wall time on `route_name` and, with `target_s`, what would meet it."""
+    """Predict the step's wall time on `route_name` and, with `target_s`, what would meet it.
+
+    The workers of a route share `work.cores`: when the backends' rates together need more
+    CPU than that, every rate shrinks in proportion and CPU is the binding limit."""
     route = config.route(route_name)
     members = [config.backend(b) for b in route.backends]
-    rated = [(b, w, *backend_rates(b, work)) for b, w in zip(members, route.weights, strict=True)]
-    capacity = [w * min(rates.values()) * samples_per_call(b) for b, w, rates, _ in rated]
+    rated = [backend_rates(b, work) for b in members]
+    speed = [min(rates.values()) for rates, _ in rated]
+    cpu_load = sum(r * cpu_s_per_call(b, work) for b, r in zip(members, speed, strict=True))
+    if cpu_load > work.cores:
+        speed = [r * work.cores / cpu_load for r in speed]
+        for (rates, _), r in zip(rated, speed, strict=True):
+            rates["CPU"] = r
+    capacity = [w * r * samples_per_call(b)
+                for b, w, r in zip(members, route.weights, speed, strict=True)]
     plans = []
-    for (b, _, rates, tokens), cap in zip(rated, capacity, strict=True):
+    for b, (rates, tokens), cap in zip(members, rated, capacity, strict=True):
         share = round(work.n * cap / sum(capacity))
-        per_call = samples_per_call(b)
-        calls = math.ceil(share / per_call)
+        calls = math.ceil(share / samples_per_call(b))
         binding = min(rates, key=rates.__getitem__)
-        plans.append(BackendPlan(b.name, share, calls, per_call, tokens, rates, binding,
-                                 _wall_s(b, calls, binding, rates[binding], work)))
+        plans.append(BackendPlan(b.name, share, calls, samples_per_call(b), tokens, rates,
+                                 binding, _wall_s(b, calls, binding, rates[binding], work)))
     plan = Plan(route.name, work.n, max(p.wall_s for p in plans), plans, target_s)
-    if target_s is not None:
-        for b, p in zip(members, plans, strict=True):
-            p.advice = advise(b, p, work, target_s)
+    if target_s is not None and plan.wall_s > target_s:
+        plan.advice = advise(members, plan, work, target_s)
     return plan
 
 
 def _wall_s(backend: Backend, calls: int, binding: str, rate: float, work: Workload) -> float:
     """calls / rate, less the calls a full bucket admits at once, plus the last call's time."""
     burst = min(rate * backend.limits.burst_s, calls) if binding in ("rpm", "tpm") else 0
-    last = (work.cpu_s_per_sample * samples_per_call(backend) if backend.kind == "function"
-            else work.latency_s)
+    last = (cpu_s_per_call(backend, work) if backend.kind == "function" else work.latency_s)
     return (calls - burst) / rate + last
 
 
-def advise(backend: Backend, p: BackendPlan, work: Workload, target_s: float) -> list[str]:
-    """What to change so this backend's share finishes within `target_s`."""
-    if p.wall_s <= target_s:
-        return []
-    last = p.wall_s - p.calls / p.calls_per_s  # the fixed part: latency less the burst
-    need = p.calls / max(target_s - last, 1e-3)  # calls/s required
-    advice = []
-    threads = backend.pool.concurrency
-    for limit, rate in sorted(p.rates.items(), key=lambda kv: kv[1]):
-        if rate >= need:
-            break
-        if limit == "worker threads":
-            per_worker = rate / work.workers.get(backend.name, 1)
-            workers = math.ceil(need / per_worker)
-            advice.append(f"{backend.name}: run {workers} workers of {threads} threads "
-                          f"(or raise [pool] concurrency to {math.ceil(threads * need / rate)})")
-        elif limit == "CPU":
-            per_core = rate / work.cores
-            advice.append(f"{backend.name}: needs {math.ceil(need / per_core)} cores "
-                          f"(has {work.cores}): add worker machines")
-        else:
-            missing = (need - rate) * (60 if limit in ("rpm", "tpm") else work.latency_s)
-            if limit == "tpm":
-                missing *= p.tokens_per_call or 1
-            unit = {"rpm": "rpm", "tpm": "tpm", "concurrency": "concurrent calls"}[limit]
-            advice.append(f"{backend.name}: {limit} caps it at {rate * p.samples_per_call:.1f} "
-                          f"samples/s; add a backend to the route with {missing:,.0f} more {unit}")
+def advise(members: list[Backend], plan: Plan, work: Workload, target_s: float) -> list[str]:
+    """What to change so the step finishes within `target_s`, keeping the route's split.
+
+    Pool size and cores are ours to raise; rpm, tpm and max_concurrent are the service's, so
+    a backend held by them needs a sibling backend to take the rest of the load."""
+    advice, cores_needed, short = [], 0.0, 0.0
+    for b, p in zip(members, plan.backends, strict=True):
+        fixed = p.wall_s - p.calls / p.calls_per_s
+        need = p.calls / max(target_s - fixed, 1e-3)  # calls/s this share needs
+        ceiling = min((r for k, r in p.rates.items() if k in SERVICE_LIMITS), default=math.inf)
+        if ceiling < need:
+            short += (need - ceiling) * p.samples_per_call
+            name = min((k for k in p.rates if k in SERVICE_LIMITS), key=p.rates.__getitem__)
+            advice.append(f"{b.name}: {name} caps it at {ceiling * p.samples_per_call:.1f} "
+                          f"samples/s, {need * p.samples_per_call:.1f} needed")
+        reach = min(need, ceiling)
+        cores_needed += reach * cpu_s_per_call(b, work)
+        threads = p.rates["worker threads"]
+        if threads < reach:
+            workers = work.workers.get(b.name, 1)
+            per_worker = threads / workers
+            advice.append(f"{b.name}: run {math.ceil(reach / per_worker)} workers "
+                          f"(now {workers}) or raise [pool] concurrency to "
+                          f"{math.ceil(b.pool.concurrency * reach / threads)}")
+    if cores_needed > work.cores:
+        advice.append(f"CPU: the workers need {math.ceil(cores_needed)} cores "
+                      f"(have {work.cores}): add worker machines")
+    if short:
+        advice.append(f"add a backend to route {plan.route} that scores {short:.1f} more "
+                      f"samples/s (a judge: {short * 60:,.0f} rpm)")
     return advice
 
 
@@ -180,8 +192,7 @@ def render_plan(plan: Plan) -> str:
         lines.append(f"{p.backend:<16}{p.samples:>8}{p.calls:>7}{p.calls_per_s:>9.1f}"
                      f"{p.wall_s:>8.1f}  {p.binding:<15}{others}")
     if plan.target_s is not None:
-        advice = [a for p in plan.backends for a in p.advice]
         verdict = "meets" if plan.wall_s <= plan.target_s else "misses"
         lines.append(f"target {plan.target_s:g} s: {verdict} it")
-        lines += [f"  - {a}" for a in advice]
+        lines += [f"  - {a}" for a in plan.advice]
     return "\n".join(lines)
