@@ -13,13 +13,18 @@ from .app import QrqCelery
 from .config import Config
 
 
+def priority_lists(queue: str) -> dict[int, str]:
+    """The Redis list kombu keeps for each priority level of `queue` (0 has no suffix)."""
+    return {p: f"qrq:{queue}:{p}" if p else f"qrq:{queue}" for p in range(10)}
+
+
 def queue_depths(store: redis.Redis, queue: str) -> dict[int, int]:
-    """Messages waiting in `queue` per priority level (kombu keeps one list per level)."""
-    levels = range(10)
+    """Messages waiting in `queue` per priority level."""
+    lists = priority_lists(queue)
     with store.pipeline(transaction=False) as pipe:
-        for p in levels:
-            pipe.llen(f"qrq:{queue}:{p}" if p else f"qrq:{queue}")
-        return dict(zip(levels, pipe.execute(), strict=True))
+        for key in lists.values():
+            pipe.llen(key)
+        return dict(zip(lists, pipe.execute(), strict=True))
 
 
 def queue_depth(store: redis.Redis, queue: str) -> int:
