@@ -58,26 +58,27 @@ def cache_stats_key(route: str) -> str:
 class _WorkerMetrics:
     """The worker-side metric objects, created once `enable()` has run."""
 
-    def __init__(self) -> None:
-        from prometheus_client import Counter, Histogram
+    def __init__(self, registry: Any = None) -> None:
+        from prometheus_client import REGISTRY, Counter, Histogram
 
+        reg = {"registry": registry or REGISTRY}
         self.samples = Counter(
             "qrq_samples", "Samples settled by a worker, by outcome status",
-            ["backend", "route", "status"])
+            ["backend", "route", "status"], **reg)
         self.requests = Counter(
             "qrq_backend_requests", "Calls to a backend by HTTP status (ok/timeout/error if none)",
-            ["backend", "code"])
+            ["backend", "code"], **reg)
         self.latency = Histogram(
             "qrq_backend_latency_seconds", "Duration of one backend call", ["backend"],
-            buckets=LATENCY_BUCKETS)
+            buckets=LATENCY_BUCKETS, **reg)
         self.limiter_wait = Histogram(
             "qrq_limiter_wait_seconds", "Time a call waited for the global limiter", ["backend"],
-            buckets=WAIT_BUCKETS)
+            buckets=WAIT_BUCKETS, **reg)
         self.retries = Counter(
             "qrq_retries", "Task retries by reason (backoff, limiter_busy, failover)",
-            ["backend", "reason"])
+            ["backend", "reason"], **reg)
         self.failovers = Counter(
-            "qrq_failovers", "Work moved from a backend to a sibling", ["backend", "to"])
+            "qrq_failovers", "Work moved from a backend to a sibling", ["backend", "to"], **reg)
 
 
 _metrics: _WorkerMetrics | None = None
