@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING, Any
 
 from celery.signals import task_success
 
+from .errors import ConfigError
+
 if TYPE_CHECKING:
     import redis
 
@@ -166,6 +168,7 @@ def serve_worker(port: int, host: str = "0.0.0.0") -> str:
         path = tempfile.mkdtemp(prefix="qrq-metrics-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
         atexit.register(shutil.rmtree, path, ignore_errors=True)
+    _require_client()  # only now: prometheus_client picks its value store at import
     from prometheus_client import CollectorRegistry, multiprocess, start_http_server
 
     registry = CollectorRegistry()
@@ -173,6 +176,15 @@ def serve_worker(port: int, host: str = "0.0.0.0") -> str:
     start_http_server(port, addr=host, registry=registry)
     enable()
     return path
+
+
+def _require_client() -> None:
+    """A clear one-line error instead of an ImportError when the extra is missing."""
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        raise ConfigError("metrics need prometheus_client: pip install "
+                          "'qreward-queue[metrics]'") from None
 
 
 class RedisStateCollector:
@@ -242,6 +254,7 @@ def breaker_state(app: QrqCelery, backend: str) -> str:
 
 def serve_exporter(app: QrqCelery, port: int, host: str = "0.0.0.0") -> None:
     """Serve the Redis state on `host:port`/metrics (returns; the server runs in a thread)."""
+    _require_client()
     from prometheus_client import CollectorRegistry, start_http_server
 
     registry = CollectorRegistry()

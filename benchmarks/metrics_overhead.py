@@ -1,0 +1,106 @@
+"""What Prometheus metrics cost: a fast judge's throughput with worker metrics on vs off.
+
+    python benchmarks/metrics_overhead.py [--n 1024] [--rounds 2] [--redis-url URL] [--json]
+
+A mock judge without limits answers in 20 ms (cv 0.2); one `qrq worker` of 32 threads scores
+`n` samples, started without metrics and then with `QRQ_METRICS_PORT` (a scrape every second
+while it runs, as Prometheus would), alternately for `rounds` rounds so that drift on a shared
+machine hits both. Prints samples/s per run and the on/off ratio of the medians (target: the
+metrics cost < 5%, i.e. ratio > 0.95). Uses the Redis database of --redis-url, flushed per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import requests
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import contextlib
+
+from common import REDIS_URL, QrqWorker, flush_redis, judge_config, write_config
+from support import free_port
+
+import qreward_queue
+from qreward_queue.mock_judge import MockJudgeSettings, spawn
+
+BACKEND = "judge"
+
+
+def scrape_every_second(port: int, stop: threading.Event) -> None:
+    while not stop.wait(1.0):
+        with contextlib.suppress(requests.RequestException):
+            requests.get(f"http://127.0.0.1:{port}/metrics", timeout=2)
+
+
+def one_run(mock_url: str, n: int, metrics_on: bool, redis_url: str, round_: int) -> dict:
+    flush_redis(redis_url)
+    with tempfile.TemporaryDirectory(prefix="qrq-metrics-bench-") as tmp:
+        config_path = write_config(
+            Path(tmp), {BACKEND: judge_config(mock_url, rpm=0, max_concurrent=0, concurrency=32)},
+            redis_url=redis_url)
+        app = qreward_queue.configure(qreward_queue.load_config(config_path))
+        port = free_port()
+        os.environ.pop("QRQ_METRICS_PORT", None)
+        if metrics_on:
+            os.environ["QRQ_METRICS_PORT"] = str(port)
+        worker = QrqWorker(config_path, BACKEND, f"w{round_}{int(metrics_on)}", app)
+        os.environ.pop("QRQ_METRICS_PORT", None)
+        stop = threading.Event()
+        if metrics_on:
+            threading.Thread(target=scrape_every_second, args=(port, stop), daemon=True).start()
+        samples = [{"prompt": f"p{i}", "response": f"r{i}"} for i in range(n)]
+        try:
+            started = time.perf_counter()
+            outcomes = qreward_queue.submit_batch(samples, route=BACKEND, app=app).outcomes()
+            wall = time.perf_counter() - started
+            counted = None
+            if metrics_on:
+                text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+                counted = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                              if line.startswith("qrq_samples_total{"))
+        finally:
+            stop.set()
+            worker.stop()
+    return {"metrics": metrics_on, "round": round_, "n": n, "wall_s": round(wall, 3),
+            "per_s": round(n / wall, 1), "not_ok": sum(o.status != "ok" for o in outcomes),
+            "samples_counted": counted}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n", type=int, default=1024)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--redis-url", default=REDIS_URL)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    runs = []
+    with spawn(MockJudgeSettings(latency_ms=20, latency_cv=0.2)) as mock:
+        for round_ in range(args.rounds):
+            for on in (False, True):
+                r = one_run(mock.url, args.n, on, args.redis_url, round_)
+                runs.append(r)
+                print(f"metrics {'on ' if on else 'off'}  round {round_}  {r['per_s']:>7.1f} "
+                      f"samples/s  ({r['wall_s']:.2f} s, not ok {r['not_ok']}"
+                      + (f", counted {r['samples_counted']:.0f}" if on else "") + ")",
+                      flush=True)
+                if args.json:
+                    print(json.dumps(r), flush=True)
+    on = statistics.median(r["per_s"] for r in runs if r["metrics"])
+    off = statistics.median(r["per_s"] for r in runs if not r["metrics"])
+    ratio = on / off
+    print(f"median samples/s: metrics on {on:.1f}, off {off:.1f}; ratio {ratio:.3f}")
+    print(f"{'PASS' if ratio > 0.95 else 'FAIL'}  metrics cost < 5% of throughput")
+
+
+if __name__ == "__main__":
+    main()
