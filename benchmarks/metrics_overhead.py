@@ -5,8 +5,9 @@
 A mock judge without limits answers in 20 ms (cv 0.2); one `qrq worker` of 32 threads scores
 `n` samples, started without metrics and then with `QRQ_METRICS_PORT` (a scrape every second
 while it runs, as Prometheus would), alternately for `rounds` rounds so that drift on a shared
-machine hits both. Prints samples/s per run and the on/off ratio of the medians (target: the
-metrics cost < 5%, i.e. ratio > 0.95). Uses the Redis database of --redis-url, flushed per run.
+machine hits both. Prints samples/s and the worker's CPU per sample (from /proc: steadier than
+wall time on a shared machine) per run, and the on/off ratios of the medians (target: the
+metrics cost < 5%). Uses the Redis database of --redis-url, flushed per run.
 """
 
 from __future__ import annotations
@@ -60,9 +61,10 @@ def one_run(mock_url: str, n: int, metrics_on: bool, redis_url: str, round_: int
             threading.Thread(target=scrape_every_second, args=(port, stop), daemon=True).start()
         samples = [{"prompt": f"p{i}", "response": f"r{i}"} for i in range(n)]
         try:
-            started = time.perf_counter()
+            cpu0, started = worker.cpu_s(), time.perf_counter()
             outcomes = qreward_queue.submit_batch(samples, route=BACKEND, app=app).outcomes()
             wall = time.perf_counter() - started
+            cpu_ms = (worker.cpu_s() - cpu0) * 1000 / n
             counted = None
             if metrics_on:
                 text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
@@ -72,7 +74,8 @@ def one_run(mock_url: str, n: int, metrics_on: bool, redis_url: str, round_: int
             stop.set()
             worker.stop()
     return {"metrics": metrics_on, "round": round_, "n": n, "wall_s": round(wall, 3),
-            "per_s": round(n / wall, 1), "not_ok": sum(o.status != "ok" for o in outcomes),
+            "per_s": round(n / wall, 1), "worker_cpu_ms_per_sample": round(cpu_ms, 3),
+            "not_ok": sum(o.status != "ok" for o in outcomes),
             "samples_counted": counted}
 
 
@@ -90,16 +93,23 @@ def main() -> None:
                 r = one_run(mock.url, args.n, on, args.redis_url, round_)
                 runs.append(r)
                 print(f"metrics {'on ' if on else 'off'}  round {round_}  {r['per_s']:>7.1f} "
-                      f"samples/s  ({r['wall_s']:.2f} s, not ok {r['not_ok']}"
+                      f"samples/s  worker CPU {r['worker_cpu_ms_per_sample']:.2f} ms/sample  "
+                      f"({r['wall_s']:.2f} s, not ok {r['not_ok']}"
                       + (f", counted {r['samples_counted']:.0f}" if on else "") + ")",
                       flush=True)
                 if args.json:
                     print(json.dumps(r), flush=True)
-    on = statistics.median(r["per_s"] for r in runs if r["metrics"])
-    off = statistics.median(r["per_s"] for r in runs if not r["metrics"])
-    ratio = on / off
-    print(f"median samples/s: metrics on {on:.1f}, off {off:.1f}; ratio {ratio:.3f}")
+    def median(key: str, on: bool) -> float:
+        return statistics.median(r[key] for r in runs if r["metrics"] is on)
+
+    ratio = median("per_s", True) / median("per_s", False)
+    cpu = median("worker_cpu_ms_per_sample", True) / median("worker_cpu_ms_per_sample", False)
+    print(f"median samples/s: metrics on {median('per_s', True):.1f}, off "
+          f"{median('per_s', False):.1f}; ratio {ratio:.3f}")
+    print(f"median worker CPU ms/sample: on {median('worker_cpu_ms_per_sample', True):.3f}, "
+          f"off {median('worker_cpu_ms_per_sample', False):.3f}; ratio {cpu:.3f}")
     print(f"{'PASS' if ratio > 0.95 else 'FAIL'}  metrics cost < 5% of throughput")
+    print(f"{'PASS' if cpu < 1.05 else 'FAIL'}  metrics cost < 5% of worker CPU per sample")
 
 
 if __name__ == "__main__":

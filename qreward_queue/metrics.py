@@ -30,6 +30,7 @@ Exporter metrics (read from Redis at scrape time):
 from __future__ import annotations
 
 import atexit
+import collections
 import os
 import shutil
 import tempfile
@@ -97,9 +98,10 @@ def record_outcomes(route: str | None, outcomes: Iterable[dict | None]) -> None:
     """Count settled outcome dicts by the backend that produced each and its status."""
     if _metrics is None:
         return
-    for o in outcomes:
-        if o is not None:
-            _metrics.samples.labels(o.get("backend") or "-", route or "-", o["status"]).inc()
+    counts = collections.Counter(
+        (o.get("backend") or "-", o["status"]) for o in outcomes if o is not None)
+    for (backend, status), n in counts.items():  # one file write per label set, not per sample
+        _metrics.samples.labels(backend, route or "-", status).inc(n)
 
 
 @task_success.connect
