@@ -215,6 +215,8 @@ def status(config_path: str | None, watch: bool, interval: float, as_json: bool)
 @click.option("--response-tokens", type=float, default=512, show_default=True)
 @click.option("--latency-ms", type=float, default=1000, show_default=True,
               help="Mean duration of one backend call.")
+@click.option("--metrics-url", "metrics_urls", multiple=True, metavar="URL",
+              help="A worker's /metrics: use the backends' measured mean latency; repeatable.")
 @click.option("--cpu-ms", type=float, default=1.0, show_default=True,
               help="CPU per sample of function backends.")
 @click.option("--call-cpu-ms", type=float, default=11.0, show_default=True,
@@ -224,8 +226,8 @@ def status(config_path: str | None, watch: bool, interval: float, as_json: bool)
 @click.option("--cores", type=int, help="CPU cores of the worker machines (default: this one's).")
 @click.option("--target-s", type=float, help="Say what to change to finish within this time.")
 @click.option("--json", "as_json", is_flag=True)
-def plan(config_path, route, n, prompt_tokens, response_tokens, latency_ms, cpu_ms, call_cpu_ms,
-         workers, cores, target_s, as_json) -> None:
+def plan(config_path, route, n, prompt_tokens, response_tokens, latency_ms, metrics_urls, cpu_ms,
+         call_cpu_ms, workers, cores, target_s, as_json) -> None:
     """Predict the reward step's wall time, the binding limit of each backend, what to change."""
     from .plan import Workload, plan_route, render_plan
 
@@ -236,8 +238,14 @@ def plan(config_path, route, n, prompt_tokens, response_tokens, latency_ms, cpu_
         if name not in config.backends or not count.isdigit():
             raise ConfigError(f"--workers {item!r}: expected BACKEND=N with a known backend")
         counts[name] = int(count)
+    measured = {}
+    if metrics_urls:
+        from .metrics import measured_latency_s
+
+        measured = measured_latency_s(metrics_urls)
     work = Workload(n, prompt_tokens, response_tokens, latency_ms / 1000, cpu_ms / 1000,
-                    call_cpu_ms / 1000, counts, **({"cores": cores} if cores else {}))
+                    call_cpu_ms / 1000, counts, **({"cores": cores} if cores else {}),
+                    measured_latency_s=measured)
     result = plan_route(config, route, work, target_s)
     click.echo(json.dumps(result.to_dict()) if as_json else render_plan(result))
 

@@ -155,6 +155,27 @@ def record_cache(store: redis.Redis, route: str, lookups: int, hits: int) -> Non
             pipe.execute()
 
 
+def measured_latency_s(urls: Iterable[str]) -> dict[str, float]:
+    """Mean backend call latency per backend, from the workers' /metrics pages at `urls`."""
+    _require_client()
+    import requests
+    from prometheus_client.parser import text_string_to_metric_families
+
+    sums: dict[str, list[float]] = {}
+    for url in urls:
+        try:
+            text = requests.get(url, timeout=10).text
+        except requests.RequestException as exc:
+            raise ConfigError(f"{url}: cannot read metrics ({exc})") from None
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name in ("qrq_backend_latency_seconds_sum",
+                              "qrq_backend_latency_seconds_count"):
+                    pair = sums.setdefault(s.labels["backend"], [0.0, 0.0])
+                    pair[s.name.endswith("_count")] += s.value
+    return {backend: total / count for backend, (total, count) in sums.items() if count}
+
+
 # -- serving --------------------------------------------------------------------------------
 
 

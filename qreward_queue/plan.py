@@ -34,11 +34,16 @@ class Workload:
     n: int
     prompt_tokens: float = 256
     response_tokens: float = 512
-    latency_s: float = 1.0  # one backend call (HTTP) or one chunk of a function (CPU)
+    latency_s: float = 1.0  # one HTTP backend call
     cpu_s_per_sample: float = 0.001  # function backends
     cpu_s_per_call: float = 0.011  # qrq's own CPU around one HTTP call (README: 9.6-12.1 ms)
     workers: dict[str, int] = field(default_factory=dict)  # backend -> worker processes (1)
     cores: int = field(default_factory=lambda: os.cpu_count() or 1)
+    measured_latency_s: dict[str, float] = field(default_factory=dict)  # backend -> from metrics
+
+    def latency(self, backend: str) -> float:
+        """The backend's measured mean latency if known, else `latency_s`."""
+        return self.measured_latency_s.get(backend, self.latency_s)
 
 
 @dataclass
@@ -105,8 +110,9 @@ def backend_rates(backend: Backend, work: Workload) -> tuple[dict[str, float], i
     if limits.tpm and tokens:
         rates["tpm"] = limits.tpm / 60 / tokens
     if limits.max_concurrent and backend.kind != "function":
-        rates["concurrency"] = limits.max_concurrent / work.latency_s
-    busy_s = cpu_s_per_call(backend, work) if backend.kind == "function" else work.latency_s
+        rates["concurrency"] = limits.max_concurrent / work.latency(backend.name)
+    busy_s = (cpu_s_per_call(backend, work) if backend.kind == "function"
+              else work.latency(backend.name))
     rates["worker threads"] = work.workers.get(backend.name, 1) * pool.concurrency / busy_s
     return rates, tokens
 
@@ -144,7 +150,8 @@ def plan_route(config: Config, route_name: str | None, work: Workload,
 def _wall_s(backend: Backend, calls: int, binding: str, rate: float, work: Workload) -> float:
     """calls / rate, less the calls a full bucket admits at once, plus the last call's time."""
     burst = min(rate * backend.limits.burst_s, calls) if binding in ("rpm", "tpm") else 0
-    last = (cpu_s_per_call(backend, work) if backend.kind == "function" else work.latency_s)
+    last = (cpu_s_per_call(backend, work) if backend.kind == "function"
+            else work.latency(backend.name))
     return (calls - burst) / rate + last
 
 

@@ -3,6 +3,7 @@ of Redis, and counters that add up to the batch."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -100,6 +101,15 @@ def test_worker_counters_add_up_to_the_batch(tmp_path, redis_url, stack):
     assert total(page, "qrq_limiter_wait_seconds_count", backend="ja") == 120
     assert 0.03 * 120 * 0.5 < total(page, "qrq_backend_latency_seconds_sum", backend="ja") < 120
     assert total(page, "qrq_retries_total") == 0
+    # qrq plan can take the measured latency from the page: its mean is sum / count
+    plan = subprocess.run(
+        [sys.executable, "-m", "qreward_queue.cli", "plan", "--route", "judged", "-n", "120",
+         "--metrics-url", f"http://127.0.0.1:{judge_port}/metrics", "--json"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    (row,) = json.loads(plan.stdout)["backends"]
+    mean_s = (total(page, "qrq_backend_latency_seconds_sum", backend="ja")
+              / total(page, "qrq_backend_latency_seconds_count", backend="ja"))
+    assert row["rates"]["concurrency"] == pytest.approx(8 / mean_s)
     # the prefork pool's two children add up through the multi-process directory
     fx_page = wait_for(lambda: (p := scrape(fx_port)) and total(p, "qrq_samples_total") == 100
                        and p, 10, "the prefork pool's samples to be counted")
