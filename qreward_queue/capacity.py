@@ -11,12 +11,17 @@ from .routing import chunk_size, water_fill
 TYPICAL_BATCH = 4096  # queued tasks are counted as chunks of a batch this big
 
 
-def queue_depth(store, queue: str) -> int:
-    """Messages waiting in `queue` over all priority levels (kombu keeps one list per level)."""
+def queue_depths(store, queue: str) -> dict[int, int]:
+    """Messages waiting in `queue` per priority level (kombu keeps one list per level)."""
     with store.pipeline(transaction=False) as pipe:
         for key in keys.queue_lists(queue):
             pipe.llen(key)
-        return sum(pipe.execute())
+        return dict(enumerate(pipe.execute()))
+
+
+def queue_depth(store, queue: str) -> int:
+    """Messages waiting in `queue` over all priority levels."""
+    return sum(queue_depths(store, queue).values())
 
 
 def backend_rate(app, name: str) -> float:

@@ -1,4 +1,5 @@
-"""qrq: demo, score, worker, status, gateway, dead-letters, mock-judge. One-line errors.
+"""qrq: demo, score, worker, status, plan, exporter, gateway, dead-letters,
+mock-judge. One-line errors.
 
 Exit status: 0 success; 2 nothing could run (usage, configuration, Redis unreachable); for
 `qrq score` also 1 when some samples were not scored and 3 when none was.
@@ -201,12 +202,15 @@ def read_jsonl(lines_in) -> tuple[list, list[int], dict[int, str]]:
 @click.option("-c", "--concurrency", type=int, help="Override the pool's concurrency.")
 @click.option("-n", "--hostname", help="Worker node name (default: <backend>@%h).")
 @click.option("--loglevel", default="INFO", show_default=True)
+@click.option("--metrics-port", type=int, envvar="QRQ_METRICS_PORT",
+              help="Serve Prometheus metrics of this worker (all pool processes) on this port.")
 def worker(
     backend_file: str,
     config_path: str | None,
     concurrency: int | None,
     hostname: str | None,
     loglevel: str,
+    metrics_port: int | None,
 ) -> None:
     """Run a Celery worker for one backend: its queue, pool and rate limit from BACKEND_FILE."""
     from celery.signals import after_setup_logger, after_setup_task_logger
@@ -247,6 +251,11 @@ def worker(
     ]
     if backend.pool.type == "prefork":
         argv += ["--max-tasks-per-child", "1000"]
+    if metrics_port:
+        from .metrics import serve_worker
+
+        serve_worker(metrics_port)
+        click.echo(f"metrics on :{metrics_port}/metrics")
     click.echo(
         describe_mode(config) + f"; worker for backend {backend.name!r} on queue {backend.queue}"
     )
@@ -257,13 +266,81 @@ def worker(
 
 @cli.command()
 @config_option
-def status(config_path: str | None) -> None:
-    """Each backend's queue depth, bucket levels, leases, adaptive concurrency and 429s."""
-    from .status import render_status
+@click.option("--watch", is_flag=True, help="Redraw every --interval seconds until Ctrl-C.")
+@click.option("--interval", type=float, default=2.0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="One JSON document instead of the table.")
+def status(config_path: str | None, watch: bool, interval: float, as_json: bool) -> None:
+    """Each backend's queue by priority, rate limit, 429s, leases, adaptive limit, breaker, ETA."""
+    from . import status as view
 
     config = _load(config_path, required=False)
-    click.echo(describe_mode(config))
-    click.echo(render_status(config))
+    if watch and not config.embedded:
+        view.watch(config, interval, click.echo)
+        return
+    if not as_json:
+        click.echo(describe_mode(config))
+    click.echo(view.render_status(config, as_json))
+
+
+@cli.command()
+@config_option
+@click.option("--route", help="Route to plan (default: the config's default route).")
+@click.option("-n", "--samples", "n", type=int, required=True, help="Samples in the step.")
+@click.option("--prompt-tokens", type=float, default=256, show_default=True)
+@click.option("--response-tokens", type=float, default=512, show_default=True)
+@click.option("--latency-ms", type=float, default=1000, show_default=True,
+              help="Mean duration of one backend call.")
+@click.option("--metrics-url", "metrics_urls", multiple=True, metavar="URL",
+              help="A worker's /metrics: use the backends' measured mean latency; repeatable.")
+@click.option("--cpu-ms", type=float, default=1.0, show_default=True,
+              help="CPU per sample of function backends.")
+@click.option("--call-cpu-ms", type=float, default=11.0, show_default=True,
+              help="Worker CPU per HTTP call (qrq's own work around it).")
+@click.option("--workers", "workers", multiple=True, metavar="BACKEND=N",
+              help="Worker processes of a backend (default 1 each); repeatable.")
+@click.option("--cores", type=int, help="CPU cores of the worker machines (default: this one's).")
+@click.option("--target-s", type=float, help="Say what to change to finish within this time.")
+@click.option("--json", "as_json", is_flag=True)
+def plan(config_path, route, n, prompt_tokens, response_tokens, latency_ms, metrics_urls, cpu_ms,
+         call_cpu_ms, workers, cores, target_s, as_json) -> None:
+    """Predict the reward step's wall time, the binding limit of each backend, what to change."""
+    from .plan import Workload, plan_route, render_plan
+
+    config = load_config(config_path)
+    counts = {}
+    for item in workers:
+        name, _, count = item.partition("=")
+        if name not in config.backends or not count.isdigit():
+            raise ConfigError(f"--workers {item!r}: expected BACKEND=N with a known backend")
+        counts[name] = int(count)
+    measured = {}
+    if metrics_urls:
+        from .metrics import measured_latency_s
+
+        measured = measured_latency_s(metrics_urls)
+    work = Workload(n, prompt_tokens, response_tokens, latency_ms / 1000, cpu_ms / 1000,
+                    call_cpu_ms / 1000, counts, **({"cores": cores} if cores else {}),
+                    measured_latency_s=measured)
+    result = plan_route(config, route, work, target_s)
+    click.echo(json.dumps(result.to_dict()) if as_json else render_plan(result))
+
+
+@cli.command()
+@config_option
+@click.option("--port", type=int, default=9808, show_default=True)
+@click.option("--host", default="0.0.0.0", show_default=True)
+def exporter(config_path: str | None, port: int, host: str) -> None:
+    """Serve the shared Redis state (queues by priority, leases, limits, breaker) to Prometheus."""
+    from .app import QrqCelery
+    from .metrics import serve_exporter
+
+    config = load_config(config_path)
+    if config.embedded:
+        raise ConfigError("qrq exporter needs Redis: set QRQ_REDIS_URL or [redis] url in qrq.toml")
+    serve_exporter(QrqCelery(config), port, host)
+    click.echo(describe_mode(config) + f"; exporter on {host}:{port}/metrics")
+    while True:
+        time.sleep(3600)
 
 
 @cli.command("dead-letters")

@@ -17,7 +17,7 @@ from typing import Any, Literal
 import redis
 from celery.states import READY_STATES
 
-from . import keys
+from . import keys, metrics
 from .app import PRIORITIES, QrqCelery
 from .cache import ScoreCache, content_key, reward_identity
 from .capacity import queue_depth, route_shares
@@ -297,6 +297,8 @@ def submit_batch(
         else None
     )
     hits = cache.get_many(list(first)) if cache else {}
+    if cache:
+        metrics.record_cache(app.store, the_route.name, len(first), len(hits))
     for key, outcome in hits.items():
         outcomes[first[key]] = outcome
     todo = [i for key, i in first.items() if key not in hits]

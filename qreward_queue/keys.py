@@ -61,6 +61,11 @@ def breaker(backend: str) -> dict[str, str]:
     return {name: f"{tag}:{name}" for name in ("fails", "open", "tripped", "probe")}
 
 
+def cache_stats(route: str) -> str:
+    """Hash counting one route's cache lookups and hits (for the Prometheus exporter)."""
+    return f"{PREFIX}stats:cache:{route}"
+
+
 def cache(identity: str) -> str:
     """Prefix of the score cache of one reward identity (content key appended)."""
     return f"{PREFIX}cache:{identity}:"

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import time
+from collections.abc import Callable
+
 from .app import QrqCelery
-from .capacity import queue_depth
+from .capacity import TYPICAL_BATCH, queue_depth, queue_depths
 from .config import Config
 from .liveness import live_workers
+from .routing import chunk_size
 
 
 def backend_rows(app: QrqCelery) -> list[dict]:
@@ -24,24 +30,83 @@ def backend_rows(app: QrqCelery) -> list[dict]:
     return rows
 
 
-def render_status(config: Config) -> str:
-    if config.embedded:
-        return "embedded mode keeps no shared state between processes; set QRQ_REDIS_URL"
+def snapshot(app: QrqCelery, previous: dict | None = None) -> dict:
+    """Everything `qrq status --json` prints: per backend the rows above plus depth by
+    priority, breaker state, the rate limit in samples/s and the ETA of what is queued.
+
+    With the `previous` snapshot, `drain_per_s` is how fast the queue emptied since then and
+    the ETA uses it; otherwise the ETA assumes the backend runs at its rate limit."""
+    from .metrics import PRIORITY_NAMES, breaker_state
+    from .plan import samples_per_call
+
+    now = time.time()
+    before = {b["backend"]: b for b in (previous or {}).get("backends", [])}
+    rows = backend_rows(app)
+    for row in rows:
+        backend = app.backend_config(row["backend"])
+        per_call = samples_per_call(backend)
+        depths = queue_depths(app.store, backend.queue)
+        row["queued_by_priority"] = {PRIORITY_NAMES.get(p, str(p)): n
+                                     for p, n in depths.items() if n}
+        row["queued_samples"] = row["queued"] * chunk_size(backend, TYPICAL_BATCH)
+        row["breaker"] = breaker_state(app, row["backend"])
+        rpm = row.get("limits", {}).get("rpm", {}).get("per_minute")
+        row["limit_samples_per_s"] = rpm / 60 * per_call if rpm else None
+        prev = before.get(row["backend"])
+        drain = None
+        if prev is not None and now > previous["time"]:
+            drain = (prev["queued_samples"] - row["queued_samples"]) / (now - previous["time"])
+        row["drain_per_s"] = drain
+        speed = drain if drain and drain > 0 else row["limit_samples_per_s"]
+        row["eta_s"] = 0.0 if not row["queued"] else row["queued_samples"] / speed if speed \
+            else None
+    return {"time": now, "backends": rows}
+
+
+def _fmt(value: float | None, spec: str = ".0f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def render_snapshot(snap: dict) -> str:
+    """One line per backend, as `qrq status` and `qrq status --watch` show it."""
     lines = [
-        f"{'backend':<16}{'kind':<14}{'queued':>7}{'workers':>8}  {'rpm level/cap':>15}  "
-        f"{'tpm level/cap':>17}  {'leases':>8}  {'adaptive':>8}  {'429s/60s':>8}  paused"
+        f"{'backend':<14}{'kind':<13}{'queued':>7}{'workers':>8} {'val/train/bulk':>15}"
+        f"{'rpm now/cfg':>14}"
+        f"{'tpm level/cap':>16}{'leases':>8}{'adapt':>6}{'429s/60s':>9}{'paused':>7}"
+        f"{'breaker':>10}{'eta_s':>7}"
     ]
-    for row in backend_rows(QrqCelery(config)):
-
-        def level(kind: str, row: dict = row) -> str:
-            lim = row.get("limits", {}).get(kind)
-            return f"{lim['level']:.1f}/{lim['capacity']:g}" if lim else "-"
-
+    for row in snap["backends"]:
+        limits = row.get("limits", {})
+        rpm, tpm = limits.get("rpm"), limits.get("tpm")
+        by = row["queued_by_priority"]
+        split = "/".join(str(by.get(p, 0)) for p in ("val", "train", "bulk"))
+        rate = f"{rpm['per_minute']:.0f}/{rpm['configured_per_minute']:.0f}" if rpm else "-"
+        level = f"{tpm['level']:.0f}/{tpm['capacity']:.0f}" if tpm else "-"
         leases = f"{row.get('leases_in_use', 0)}/{row.get('max_concurrent') or '-'}"
         lines.append(
-            f"{row['backend']:<16}{row['kind']:<14}{row['queued']:>7}{row['workers']:>8}  "
-            f"{level('rpm'):>15}  "
-            f"{level('tpm'):>17}  {leases:>8}  {row.get('adaptive_limit') or '-':>8}  "
-            f"{row.get('recent_429s', 0):>8}  {row.get('paused_for_s', 0.0):.1f}s"
+            f"{row['backend']:<14}{row['kind']:<13}{row['queued']:>7}{row['workers']:>8} "
+            f"{split:>15}{rate:>14}"
+            f"{level:>16}{leases:>8}{row.get('adaptive_limit') or '-':>6}"
+            f"{row.get('recent_429s', 0):>9}{row.get('paused_for_s', 0.0):>6.1f}s"
+            f"{row['breaker']:>10}{_fmt(row['eta_s'], '.1f'):>7}"
         )
     return "\n".join(lines)
+
+
+def render_status(config: Config, as_json: bool = False) -> str:
+    if config.embedded:
+        return "embedded mode keeps no shared state between processes; set QRQ_REDIS_URL"
+    snap = snapshot(QrqCelery(config))
+    return json.dumps(snap) if as_json else render_snapshot(snap)
+
+
+def watch(config: Config, interval_s: float, echo: Callable[[str], None]) -> None:
+    """Redraw the status every `interval_s` until interrupted (Ctrl-C)."""
+    app, previous = QrqCelery(config), None
+    with contextlib.suppress(KeyboardInterrupt):
+        while True:
+            snap = snapshot(app, previous)
+            echo("\x1b[H\x1b[2J" + time.strftime("qrq status --watch  %H:%M:%S  ")
+                 + f"(every {interval_s:g} s, Ctrl-C quits)\n" + render_snapshot(snap))
+            previous = snap
+            time.sleep(interval_s)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Literal
 
-from . import capacity
+from . import capacity, metrics
 from .backends import BackendClient, Call, make_backend
 from .breaker import CircuitBreaker
 from .config import Backend, Retry
@@ -226,11 +226,17 @@ class ChunkRunner:
                 if self.breaker is not None:
                     self.breaker.release_probe()
                 raise
+        name = self.config.name
+        started = time.monotonic()
         try:
             if grant is not None:
                 grant.wait()
+                metrics.record_limiter_wait(name, grant.wait_s)
+            started = time.monotonic()
             call = self.client.call(batch)
         except ScoringError as exc:
+            metrics.record_request(name, exc.status_code, time.monotonic() - started,
+                                   "timeout" if exc.timed_out else "error")
             paused = self._learn(grant, exc.status_code, exc.headers, exc.timed_out,
                                  failed=isinstance(exc, TransientError))
             if paused:  # the limiter holds everyone back: no wait of the caller's own
@@ -240,6 +246,7 @@ class ChunkRunner:
             if grant is not None:
                 grant.finish()
             raise
+        metrics.record_request(name, call.status_code, time.monotonic() - started)
         if grant is not None and call.tokens is not None:
             grant.settle(actual_tokens=call.tokens)
         self._learn(grant, call.status_code, call.headers, False, failed=False)
@@ -364,11 +371,13 @@ def score_chunk(
         return done
     kwargs = dict(self.request.kwargs, done=done)
     if nxt.action in ("wait", "retry"):
+        metrics.record_retry(backend, "limiter_busy" if nxt.action == "wait" else "backoff")
         if nxt.action == "retry":
             kwargs["attempt"] = attempt + 1
         raise self.retry(kwargs=kwargs, countdown=nxt.countdown, **summary(backend, samples))
     if nxt.action == "failover":
         target = failover_target(siblings, *capacity.of(app, siblings), len(left))
+        metrics.record_retry(backend, "failover", to=target)
         raise self.retry(
             kwargs=dict(kwargs, backend=target, attempt=1, tried=[*(tried or []), backend]),
             queue=app.backend_config(target).queue,

@@ -1,5 +1,6 @@
 """docker-compose.yml cannot start here (no Docker engine), so: it parses, and every service's
-command runs on this machine against a local Redis."""
+command runs on this machine against a local Redis. deploy/k8s/ is rendered from workers/*.toml,
+checked against the Kubernetes schemas, and its KEDA triggers against qrq's queue lists."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from support import free_port
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES = COMPOSE["services"]
-
-
+K8S = ROOT / "deploy" / "k8s"
+WORKER_FILES = sorted(p.stem for p in (ROOT / "workers").glob("*.toml"))
 
 
 def command_of(service: str) -> list[str]:
@@ -91,7 +92,10 @@ def test_redis_service_command_runs_with_password_and_aof(tmp_path):
 @pytest.mark.parametrize("service", [s for s in SERVICES if s.startswith("worker-")])
 def test_worker_service_commands_start(service, redis_url, tmp_path):
     log = tmp_path / "worker.log"
-    env = {**os.environ, "QRQ_REDIS_URL": redis_url, "QRQ_CONFIG": str(ROOT / "qrq.toml")}
+    assert SERVICES[service]["environment"]["QRQ_METRICS_PORT"]
+    port = free_port()
+    env = {**os.environ, "QRQ_REDIS_URL": redis_url, "QRQ_CONFIG": str(ROOT / "qrq.toml"),
+           "QRQ_METRICS_PORT": str(port)}
     cmd = [sys.executable, "-m", "qreward_queue.cli", *command_of(service)[1:]]
     with log.open("w") as fh:
         proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT,
@@ -101,6 +105,7 @@ def test_worker_service_commands_start(service, redis_url, tmp_path):
         while "ready." not in log.read_text():
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.2)
+        assert requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5).ok
     finally:
         stop(proc)
 
@@ -149,3 +154,96 @@ def test_flower_service_command_serves_with_auth(redis_url):
         assert requests.get(f"{url}/api/workers", auth=("admin", "s3cret"), timeout=10).ok
     finally:
         stop(proc)
+
+
+def test_exporter_service_command_serves_the_redis_state(redis_url):
+    cmd = [sys.executable, "-m", "qreward_queue.cli", *command_of("exporter")[1:]]
+    port = cmd[cmd.index("--port") + 1]
+    env = {**os.environ, "QRQ_REDIS_URL": redis_url, "QRQ_CONFIG": str(ROOT / "qrq.toml")}
+
+    def page() -> str:
+        try:
+            return requests.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text
+        except requests.RequestException:
+            return ""
+
+    proc = run_until(cmd, page, env)
+    try:
+        text = page()
+        for backend in WORKER_FILES:
+            assert f'qrq_queue_depth{{backend="{backend}",priority="train"}} 0.0' in text
+    finally:
+        stop(proc)
+
+
+def k8s_docs(name: str) -> list[dict]:
+    return list(yaml.safe_load_all((K8S / name).read_text()))
+
+
+def test_k8s_has_one_pool_per_worker_file_and_is_up_to_date():
+    out = subprocess.run([sys.executable, str(K8S / "render.py"), "--check"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert sorted(p.stem.removeprefix("worker-") for p in K8S.glob("worker-*.yaml")) \
+        == WORKER_FILES
+
+
+def test_a_new_backend_file_renders_a_new_pool(tmp_path):
+    sys.path.insert(0, str(K8S))
+    from render import render
+
+    (tmp_path / "workers").mkdir()
+    (tmp_path / "workers" / "new-judge.toml").write_text(
+        (ROOT / "workers" / "mock-a.toml").read_text())
+    (tmp_path / "deploy").mkdir()
+    (tmp_path / "deploy" / "redis.conf").write_text("appendonly yes\n")
+    assert "worker-new-judge.yaml" in render(tmp_path)
+    assert not (K8S / "worker-new-judge.yaml").exists()  # so --check would fail on it
+
+
+def test_k8s_manifests_pass_the_kubernetes_schemas():
+    import kubernetes_validate
+
+    checked = 0
+    for path in sorted(K8S.glob("*.yaml")):
+        for doc in k8s_docs(path.name):
+            if doc["apiVersion"].startswith("keda.sh/"):
+                continue  # a CRD: checked against qrq's queues below
+            kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
+            checked += 1
+    assert checked == len(WORKER_FILES) + 5  # a Deployment per pool, Redis x3, exporter x2
+
+
+@pytest.mark.parametrize("backend", WORKER_FILES)
+def test_each_pool_runs_non_root_and_scales_on_every_priority_list(backend):
+    from qreward_queue.config import load_backend
+    from qreward_queue.keys import queue_lists
+
+    deployment, scaled = k8s_docs(f"worker-{backend}.yaml")
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["command"] == ["qrq", "worker", f"workers/{backend}.toml"]
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text().splitlines()
+    user = [line.split()[1] for line in dockerfile if line.startswith("USER ")][-1]
+    assert user.isdigit() and int(user) != 0
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] == int(user)
+    # KEDA: one trigger per priority list of the queue, summed by the formula
+    spec = scaled["spec"]
+    assert spec["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
+    lists = dict(enumerate(queue_lists(load_backend(ROOT / "workers" / f"{backend}.toml").queue)))
+    assert [t["metadata"]["listName"] for t in spec["triggers"]] == list(lists.values())
+    names = [t["name"] for t in spec["triggers"]]
+    formula = spec["advanced"]["scalingModifiers"]["formula"]
+    assert formula.split(" + ") == names
+    assert all(t["metadata"]["passwordFromEnv"] in {e["name"] for e in container["env"]}
+               for t in spec["triggers"])
+
+
+def test_k8s_redis_keeps_an_aof_and_needs_a_password():
+    conf, statefulset, _ = k8s_docs("redis.yaml")
+    assert conf["data"]["redis.conf"] == (ROOT / "deploy" / "redis.conf").read_text()
+    assert "appendonly yes" in conf["data"]["redis.conf"]
+    (container,) = statefulset["spec"]["template"]["spec"]["containers"]
+    assert '--requirepass "$REDIS_PASSWORD"' in container["command"][-1]
+    assert statefulset["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"

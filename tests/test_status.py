@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 
+import pytest
 from support import ROOT, judge_backend, write_config
 
 import qreward_queue as qrq
@@ -44,8 +46,17 @@ def test_status_reports_what_the_limiter_and_queue_hold(tmp_path, redis_url):
     assert lines[0].startswith("qrq: distributed mode")
     (ja,) = [line for line in lines if line.startswith("ja ")]
     fields = ja.split()
-    assert fields[1:3] == ["judge", "3"]
-    assert fields[-3:-1] == ["4", "1"]  # adaptive limit, 429s in the last minute
+    assert fields[1:4] == ["judge", "3", "1/1/1"]  # queued: all, then val/train/bulk
+    assert fields[4] == "600/600"  # rpm enforced now / configured
+    assert fields[7:9] == ["4", "1"]  # adaptive limit, 429s in the last minute
+    assert fields[-2:] == ["closed", "0.3"]  # breaker; ETA: 3 samples at 10/s
+    # And --json carries the same row
+    out = subprocess.run([sys.executable, "-m", "qreward_queue.cli", "status", "--json"],
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    (row,) = json.loads(out.stdout)["backends"]
+    assert row["queued_by_priority"] == {"val": 1, "train": 1, "bulk": 1}
+    assert (row["adaptive_limit"], row["recent_429s"], row["breaker"]) == (4, 1, "closed")
+    assert row["limit_samples_per_s"] == 10 and row["eta_s"] == pytest.approx(0.3)
 
 
 def test_status_in_embedded_mode_says_there_is_no_shared_state(tmp_path):
