@@ -36,6 +36,7 @@ from .ratelimit_headers import DEFAULT_MAX_PAUSE_S, RateLimitHeaders
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+MAX_PENDING = 32  # finishes sent together at most
 _SCRIPT_KEYS = {  # script -> the limiter keys it touches, in KEYS order
     "acquire": ("bucket", "leases", "aimd"),
     "checkpoint": ("bucket", "leases"),
@@ -110,7 +111,8 @@ class Limiter:
     ``outage_wait_s`` (how long every call waits out an unreachable Redis before raising, on top
     of the client's own retries),
     ``aimd_cooldown_s`` (at most one multiplicative decrease per this many seconds),
-    ``max_pause_s`` (the longest pause one reply can order; see `RateLimitHeaders`).
+    ``max_pause_s`` (the longest pause one reply can order; see `RateLimitHeaders`),
+    ``finish_delay_s`` (successes may wait this long to be finished together; 0: at once).
 
     >>> import fakeredis
     >>> limiter = Limiter(fakeredis.FakeRedis(), "judge-a", rpm=600, tpm=60_000, max_concurrent=4)
@@ -133,6 +135,7 @@ class Limiter:
         outage_wait_s: float = 120.0,
         aimd_cooldown_s: float = 1.0,
         max_pause_s: float = DEFAULT_MAX_PAUSE_S,
+        finish_delay_s: float = 0.0,
     ) -> None:
         if burst_s <= 0 or lease_ttl_s <= 0 or min(rpm or 0, tpm or 0, max_concurrent or 0) < 0:
             raise ValueError("burst_s and lease_ttl_s must be positive, limits not negative")
@@ -143,6 +146,10 @@ class Limiter:
         self.aimd_cooldown_s = aimd_cooldown_s
         self.max_pause_s = max_pause_s
         self.bounded: tuple[str, ...] = ()  # the bounds the last bounded reply hit
+        self.finish_delay_s = finish_delay_s
+        self._pending: list[dict[str, Any]] = []  # finishes of successes not sent yet
+        self._pending_since = 0.0
+        self._lock = threading.Lock()
         self._redis = redis_client
         self._keys = keys.limiter(backend)
         self._scripts = _load_scripts(redis_client)
@@ -176,6 +183,7 @@ class Limiter:
         is set (a lease of this process was released); raises `LimiterBusy` when not even
         one call could start within ``max_wait_s``.
         """
+        self.flush()  # leases this process released are free before it books more
         prefix = uuid.uuid4().hex
         deadline = time.monotonic() + max_wait_s
         limits = [dict(lim, cost=1 if lim["name"] == "rpm" else tokens) for lim in self._limits]
@@ -204,7 +212,7 @@ class Limiter:
 
     def pause(self, seconds: float) -> None:
         """Stop every worker of this backend for ``seconds`` (at most ``max_pause_s``)."""
-        self._call_finish([], "", min(seconds, self.max_pause_s), RateLimitHeaders(), 0.0)
+        self.flush(min(seconds, self.max_pause_s))
 
     def status(self) -> dict[str, Any]:
         """Levels refilled to now (nothing written), rates, leases, adaptive limit, 429s, pause."""
@@ -248,7 +256,11 @@ class Limiter:
         reset of the exhausted limit, else 1 s). A 429 while the headers say requests and
         tokens are left is congestion (a concurrency limit below the configured one): it cuts
         the adaptive concurrency like a timeout does, and pauses no one. A 429 that says
-        neither does both. Successes grow the concurrency. Returns the pause ordered."""
+        neither does both. Successes grow the concurrency. Returns the pause ordered.
+
+        Successes may wait up to ``finish_delay_s`` to be sent together (embedded mode, where
+        every script costs interpreter time); anything else is sent at once, with them.
+        """
         h = RateLimitHeaders.from_headers(headers, max_pause_s=self.max_pause_s)
         if h.bounded:
             self.bounded = h.bounded
@@ -261,31 +273,43 @@ class Limiter:
         elif status_code == 429:  # exhausted: pause everyone; unknown why: also cut
             event = "exhausted" if 0 in (h.remaining_requests, h.remaining_tokens) else "429"
             pause_s = h.pause_s()
-        if not (event or pause_s or refund) and h == RateLimitHeaders():  # just release
-            if holders:
-                self._retry(self._redis.zrem, self._keys["leases"], *holders)
-            return 0.0
-        self._call_finish(holders, event, pause_s, h, refund)
-        return pause_s
-
-    def _call_finish(self, holders: list[str], event: str, pause_s: float, h: RateLimitHeaders,
-                     refund: float) -> None:
         told = {
             "rpm": (h.remaining_requests, h.limit_requests, h.reset_requests_s, 0.0),
             "tpm": (h.remaining_tokens, h.limit_tokens, h.reset_tokens_s, refund),
         }
-        limits = []
+        call: dict[str, Any] = {"event": event, "told": {}}
+        if holders:
+            call["holder"] = holders[0]
         for lim in self._limits:
             remaining, per_min, reset_s, lim_refund = told[lim["name"]]
-            entry = dict(lim, refund=lim_refund)
-            for name, value in (("remaining", remaining), ("reset_ms", _scaled(reset_s, 1000)),
-                                ("limit_rate", _scaled(per_min, 1 / 60_000))):
-                if value is not None:
-                    entry[name] = value
-            limits.append(entry)
-        self._run("finish", holders=holders, event=event, max_concurrent=self.max_concurrent,
-                  aimd_cooldown_ms=self.aimd_cooldown_s * 1000, pause_ms=pause_s * 1000,
-                  limits=limits, bounded="; ".join(h.bounded))
+            entry = {name: value for name, value in (
+                ("refund", lim_refund), ("remaining", remaining),
+                ("reset_ms", _scaled(reset_s, 1000)), ("limit_rate", _scaled(per_min, 1 / 60_000)),
+            ) if value is not None and (value or name != "refund")}
+            if entry:
+                call["told"][lim["name"]] = entry
+        if not (event or call["told"] or pause_s):  # nothing to learn: just release
+            if holders:
+                self._retry(self._redis.zrem, self._keys["leases"], *holders)
+            return 0.0
+        with self._lock:
+            self._pending.append(call)
+            due = (event != "ok" or not self.finish_delay_s or len(self._pending) >= MAX_PENDING
+                   or time.monotonic() - self._pending_since >= self.finish_delay_s)
+            if len(self._pending) == 1:
+                self._pending_since = time.monotonic()
+        if due:
+            self.flush(pause_s, "; ".join(h.bounded))
+        return pause_s
+
+    def flush(self, pause_s: float = 0.0, bounded: str = "") -> None:
+        """Send the finishes waiting in this process (releasing their leases) in one script."""
+        with self._lock:
+            calls, self._pending = self._pending, []
+        if calls or pause_s:
+            self._run("finish", calls=calls, limits=self._limits, pause_ms=pause_s * 1000,
+                      max_concurrent=self.max_concurrent, bounded=bounded,
+                      aimd_cooldown_ms=self.aimd_cooldown_s * 1000)
 
     def _run(self, script: str, **args: Any) -> dict[str, Any]:
         script_keys = [self._keys[name] for name in _SCRIPT_KEYS[script]]

@@ -148,6 +148,8 @@ class ChunkRunner:
                     pool.executor.submit(self._slot, pool, samples, calls.popleft(), grant)
                 )
         finished, _ = wait(running, timeout=time_left_s(self.deadline))
+        if self.limiter is not None:
+            self.limiter.flush()  # finishes held back to be sent together go now
         for future in finished:  # calls still running past that are left to `decide`
             future.result()  # a bug in a call surfaces here rather than vanishing
         return self

@@ -1,14 +1,14 @@
--- finish.lua: everything after a call, in one round trip: reconcile the booked token estimate,
--- apply what the backend answered (header sync, a 429 pause, the AIMD controller) and release
--- the call's lease. Also used without a lease for plain feedback and pauses.
+-- finish.lua: everything after one or more calls, in one round trip: reconcile the booked
+-- token estimates, apply what the backend answered (header sync, a 429 pause, the AIMD
+-- controller) and release the calls' leases. Also used without a lease for plain feedback.
 -- KEYS[1] bucket hash, KEYS[2] leases zset, KEYS[3] aimd hash, KEYS[4] recent-429 counter
--- args: holders (leases to release), event ('ok' | 'exhausted' (a 429, rate used up) |
---   'congested' (a 429 with rate left: too many in flight) | '429' (a 429 saying neither) |
---   'timeout' | ''), max_concurrent
---   (0 = no AIMD), aimd_cooldown_ms, pause_ms (0 = none), limits: [{name, cap, rate, refund
---   (booked minus used; < 0 charges an overrun), remaining, limit_rate (per ms), reset_ms}]
---   (the header fields are absent when the reply did not carry them), bounded (what the
---   reply said beyond qrq's bounds, '' when nothing)
+-- args: calls: [{holder (absent: no lease), event, told: {<limit name>: {refund (booked minus
+--   used; < 0 charges an overrun), remaining, limit_rate (per ms), reset_ms}}}] in the order
+--   they ended (the header fields are absent when a reply did not carry them); an event is
+--   'ok' | 'exhausted' (a 429, rate used up) | 'congested' (a 429 with rate left: too many in
+--   flight) | '429' (a 429 saying neither) | 'timeout' | '';
+--   limits: [{name, cap, rate}], max_concurrent (0 = no AIMD), aimd_cooldown_ms,
+--   pause_ms (0 = none), bounded (what a reply said beyond qrq's bounds, '' when nothing)
 -- Returns {limit}: the adaptive concurrency limit (-1 without max_concurrent).
 local HRATE_KEEP_MS = 600000   -- a learned lower rate outlives an idle bucket by 10 minutes
 local AIMD_IDLE_MS = 600000    -- an idle controller forgets its state after 10 minutes
@@ -19,26 +19,31 @@ local GENTLE_CUT = 0.1        -- a gentle cut takes this share (at least one cal
 local FORGET_ABOVE = 1.25      -- climbing this far above the last cut forgets it
 local RECENT_429_S = 60
 local BOUNDED_KEEP_MS = 600000
-local bucket, event = KEYS[1], args.event
+local bucket = KEYS[1]
 local now = now_ms()
 local h = read_hash(bucket)
 local keep = tonumber(h.keep_until) or 0
 local set = {}
 
-if args.holders and #args.holders > 0 then
-  redis.call('ZREM', KEYS[2], unpack(args.holders))
+local holders = {}
+for _, c in ipairs(args.calls) do
+  if c.holder then holders[#holders + 1] = c.holder end
 end
+if #holders > 0 then redis.call('ZREM', KEYS[2], unpack(holders)) end
 
 -- A header limit below the configured rate becomes the rate (and scales the capacity) until a
--- header says otherwise.
-for _, l in ipairs(args.limits or {}) do
-  if l.limit_rate and l.limit_rate < l.rate then
-    set[l.name .. ':hrate'] = num(l.limit_rate)
-    h[l.name .. ':hrate'] = set[l.name .. ':hrate']
-    keep = math.max(keep, now + HRATE_KEEP_MS)
-  elseif l.limit_rate and h[l.name .. ':hrate'] then
-    redis.call('HDEL', bucket, l.name .. ':hrate')
-    h[l.name .. ':hrate'] = nil
+-- header says otherwise (the latest reply wins).
+for _, c in ipairs(args.calls) do
+  for _, l in ipairs(args.limits or {}) do
+    local told = c.told and c.told[l.name] or {}
+    if told.limit_rate and told.limit_rate < l.rate then
+      set[l.name .. ':hrate'] = num(told.limit_rate)
+      h[l.name .. ':hrate'] = set[l.name .. ':hrate']
+      keep = math.max(keep, now + HRATE_KEEP_MS)
+    elseif told.limit_rate and h[l.name .. ':hrate'] then
+      redis.call('HDEL', bucket, l.name .. ':hrate')
+      h[l.name .. ':hrate'], set[l.name .. ':hrate'] = nil, nil
+    end
   end
 end
 
@@ -50,11 +55,14 @@ local paused_until = tonumber(h.paused_until) or now
 local extend = math.max(0, until_ms - math.max(now, paused_until))
 local limits = load_limits(h, now)
 for _, l in ipairs(limits) do
-  if l.refund and l.refund ~= 0 then l.level = math.min(l.cap, l.level + l.refund) end
-  if l.remaining then l.level = math.min(l.level, l.remaining) end
-  if l.reset_ms then
-    set[l.name .. ':reset_at'] = num(now + l.reset_ms)
-    keep = math.max(keep, now + l.reset_ms)
+  for _, c in ipairs(args.calls) do
+    local told = c.told and c.told[l.name] or {}
+    if told.refund and told.refund ~= 0 then l.level = math.min(l.cap, l.level + told.refund) end
+    if told.remaining then l.level = math.min(l.level, told.remaining) end
+    if told.reset_ms then
+      set[l.name .. ':reset_at'] = num(now + told.reset_ms)
+      keep = math.max(keep, now + told.reset_ms)
+    end
   end
   if extend > 0 then l.level = math.min(l.level, 0) - extend * l.rate end
 end
@@ -70,41 +78,48 @@ end
 if keep > 0 then set.keep_until = num(keep) end
 save_limits(bucket, h, limits, now, set)
 
-if (event == '429' or event == 'exhausted' or event == 'congested')
-    and redis.call('INCR', KEYS[4]) == 1 then
+local refused = 0
+for _, c in ipairs(args.calls) do
+  if c.event == '429' or c.event == 'exhausted' or c.event == 'congested' then
+    refused = refused + 1
+  end
+end
+if refused > 0 and redis.call('INCRBY', KEYS[4], refused) == refused then
   redis.call('EXPIRE', KEYS[4], RECENT_429_S)
 end
 local max_conc = args.max_concurrent
 if max_conc <= 0 then return cjson.encode({limit = -1}) end
 local a = redis.call('HMGET', KEYS[3], 'limit', 'ok', 'cut_at', 'ceiling')
 local limit = math.min(max_conc, tonumber(a[1]) or max_conc)
-local ok, ceiling, cut_at = tonumber(a[2]) or 0, tonumber(a[4]), tonumber(a[3])
-local cooling = cut_at and now < cut_at + args.aimd_cooldown_ms
-if event == 'ok' then
-  -- additive increase, none while cooling down from a cut: +1 after `limit` successes; near
-  -- the level of the last cut (`ceiling`) only after PROBE_SLOWDOWN times as many, so a
-  -- server's real limit is probed gently; well above it the ceiling is forgotten (the
-  -- server's limit came back) and growth is fast again
-  if cooling then return cjson.encode({limit = limit}) end
-  ok = ok + 1
-  local near = ceiling and limit >= NEAR_CEILING * ceiling - 1
-  if ok >= (near and PROBE_SLOWDOWN or 1) * limit then limit, ok = math.min(max_conc, limit + 1), 0 end
-  if ceiling and limit > FORGET_ABOVE * ceiling then
-    redis.call('HDEL', KEYS[3], 'ceiling')
+local ok, cut_at, ceiling = tonumber(a[2]) or 0, tonumber(a[3]), tonumber(a[4])
+local changed = false
+for _, c in ipairs(args.calls) do
+  local cooling = cut_at and now < cut_at + args.aimd_cooldown_ms
+  if c.event == 'ok' and not cooling then
+    -- additive increase, none while cooling down from a cut: +1 after `limit` successes;
+    -- near the level of the last cut (`ceiling`) only after PROBE_SLOWDOWN times as many, so
+    -- a server's real limit is probed gently; well above it the ceiling is forgotten (the
+    -- server's limit came back) and growth is fast again
+    ok, changed = ok + 1, true
+    local near = ceiling and limit >= NEAR_CEILING * ceiling - 1
+    if ok >= (near and PROBE_SLOWDOWN or 1) * limit then limit, ok = math.min(max_conc, limit + 1), 0 end
+    if ceiling and limit > FORGET_ABOVE * ceiling then ceiling = false end
+  elseif c.event == 'congested' or c.event == 'timeout' or c.event == '429' then
+    -- multiplicative decrease, once per cooldown so one burst of failures cuts only once: by
+    -- half, or gently (GENTLE_CUT) when the limit had climbed back near the last cut
+    ok, changed = 0, true
+    if not cooling then
+      local near = ceiling and limit >= NEAR_CUT * ceiling
+      local cut = near and limit - math.max(1, math.floor(limit * GENTLE_CUT)) or math.floor(limit / 2)
+      cut_at, ceiling, limit = now, limit, math.max(1, cut)
+    end
   end
-elseif event == 'congested' or event == 'timeout' or event == '429' then
-  -- multiplicative decrease, once per cooldown so one burst of failures cuts only once: by
-  -- half, or gently (GENTLE_CUT) when the limit had climbed back near the last cut
-  ok = 0
-  if not cooling then
-    local near = ceiling and limit >= NEAR_CUT * ceiling
-    local cut = near and limit - math.max(1, math.floor(limit * GENTLE_CUT)) or math.floor(limit / 2)
-    redis.call('HSET', KEYS[3], 'cut_at', num(now), 'ceiling', limit)
-    limit = math.max(1, cut)
-  end
-else
-  return cjson.encode({limit = limit})
 end
-redis.call('HSET', KEYS[3], 'limit', limit, 'ok', ok)
-redis.call('PEXPIRE', KEYS[3], AIMD_IDLE_MS)
+if changed then
+  redis.call('HSET', KEYS[3], 'limit', limit, 'ok', ok)
+  if cut_at then redis.call('HSET', KEYS[3], 'cut_at', num(cut_at)) end
+  if ceiling then redis.call('HSET', KEYS[3], 'ceiling', ceiling)
+  else redis.call('HDEL', KEYS[3], 'ceiling') end
+  redis.call('PEXPIRE', KEYS[3], AIMD_IDLE_MS)
+end
 return cjson.encode({limit = limit})
