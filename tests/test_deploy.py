@@ -211,7 +211,8 @@ def test_k8s_manifests_pass_the_kubernetes_schemas():
                 continue  # a CRD: checked against qrq's queues below
             kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
             checked += 1
-    assert checked == len(WORKER_FILES) + 5  # a Deployment per pool, Redis x3, exporter x2
+    # a Deployment per pool, Redis x3, exporter x2, Flower x3, the Redis Secret example
+    assert checked == len(WORKER_FILES) + 5 + 3 + 1
 
 
 @pytest.mark.parametrize("backend", WORKER_FILES)

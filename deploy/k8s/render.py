@@ -196,7 +196,7 @@ def main() -> None:
     files = render()
     stale = [n for n, text in files.items()
              if not (OUT / n).exists() or (OUT / n).read_text() != text]
-    extra = sorted({p.name for p in OUT.glob("*.yaml")} - set(files))
+    extra = sorted({p.name for p in OUT.glob("worker-*.yaml")} - set(files))  # a pool gone
     if args.check:
         for name in stale:
             print(f"deploy/k8s/{name}: missing or stale; run python deploy/k8s/render.py")
