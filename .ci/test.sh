@@ -1,17 +1,25 @@
 #!/usr/bin/env bash
-# Install what the tests need (a venv with qrq[dev], Redis when none answers on 127.0.0.1:6379)
-# and run the whole suite. Usage: bash .ci/test.sh [pytest args]
+# Install what the tests need (Debian packages, a venv with qrq[dev], Redis when none answers
+# on 127.0.0.1:6379) and run the whole suite. Usage: bash .ci/test.sh [pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 redis_up() { (exec 3<>/dev/tcp/127.0.0.1/6379 && printf 'PING\r\n' >&3 && head -c5 <&3 | grep -q PONG) 2>/dev/null; }
 
+# Debian packages the tests use: redis-server (also for the private Redis of the restart
+# tests), chromium (Flower in a real browser), tmux (`qrq status --watch` as seen in a
+# terminal), bubblewrap (the code-execution sandbox)
+missing=()
+for pair in redis-server:redis-server chromium:chromium tmux:tmux bwrap:bubblewrap; do
+  command -v "${pair%%:*}" >/dev/null || missing+=("${pair##*:}")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "installing ${missing[*]} (Debian packages)"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
 if ! redis_up; then
-  if ! command -v redis-server >/dev/null; then
-    echo "installing redis-server (Debian package)"
-    SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-    $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
-  fi
   echo "starting redis-server on 127.0.0.1:6379"
   redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no \
     --dir /tmp --logfile /tmp/qrq-ci-redis.log

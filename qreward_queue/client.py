@@ -72,6 +72,7 @@ class RewardBatch:
         self._unheld: set[str] = set()
         self._no_worker = NoWorkerWatch(app)
         self.resubmitted = 0
+        self._started, self._finished = time.monotonic(), None
 
     def __len__(self) -> int:
         return len(self._outcomes)
@@ -87,6 +88,30 @@ class RewardBatch:
         self._poll()
         return not self._pending
 
+    def summary(self) -> dict[str, Any]:
+        """What a trainer logs per step, once every outcome is in (`get()` returned): samples
+        by status and by backend, wall time from submit, retries (extra attempts), cache hits,
+        work resubmitted after a lost worker, and the mean latency of scored samples."""
+        outcomes = [o for o in self._outcomes if o is not None]
+        by_status: dict[str, int] = {}
+        by_backend: dict[str, int] = {}
+        for o in outcomes:
+            by_status[o.status] = by_status.get(o.status, 0) + 1
+            if o.backend:
+                by_backend[o.backend] = by_backend.get(o.backend, 0) + 1
+        scored = [o.latency_ms for o in outcomes if o.status == "ok"]
+        end = self._finished or time.monotonic()
+        return {
+            "samples": len(self._outcomes),
+            "by_status": by_status,
+            "by_backend": by_backend,
+            "wall_s": round(end - self._started, 3),
+            "retries": sum(max(0, (o.attempts or 0) - 1) for o in outcomes),
+            "cache_hits": by_status.get("cached", 0),
+            "resubmitted_tasks": self.resubmitted,
+            "mean_latency_ms": round(sum(scored) / len(scored), 1) if scored else None,
+        }
+
     def partial(self) -> list[Outcome | None]:
         """The outcomes so far, in input order (None: not yet); never polls or blocks."""
         return list(self._outcomes)
@@ -97,6 +122,7 @@ class RewardBatch:
         while True:
             self._poll()
             if not self._pending:
+                self._finished = self._finished or time.monotonic()
                 break
             if time.time() >= self.deadline:
                 self._expire()
@@ -241,6 +267,7 @@ class RewardBatch:
             for i in chunk.indices:
                 self._place(i, Outcome.failed(late))
         self._pending.clear()
+        self._finished = time.monotonic()
 
     def _place(self, i: int, outcome: Outcome) -> None:
         """The one place an outcome gets its sample's id and, on failure, the fallback score;

@@ -117,6 +117,11 @@ def test_64_samples_come_back_in_input_order_with_the_judges_verdicts(setup, jud
         assert outcome.detail.endswith(f"Score: {score:.2f}")
     assert batch.done() and batch.completed == 64
     assert judge.stats()["accepted"] == 64
+    # and the step's summary adds up to the batch
+    summary = batch.summary()
+    assert summary["samples"] == 64 and summary["by_status"] == {"ok": 64}
+    assert sum(summary["by_backend"].values()) == 64 and set(summary["by_backend"]) == {"a", "b"}
+    assert summary["retries"] == 0 and summary["cache_hits"] == 0 and summary["wall_s"] > 0
 
 
 def test_score_returns_floats_for_the_default_route_at_every_priority(setup, judge):
