@@ -56,18 +56,18 @@ def test_watch_redraws_queue_by_priority_limits_and_eta(tmp_path, redis_url):
         ja, jb = row_of(text, "ja"), row_of(text, "jb")
         # Then it reads: 4 queued, 1 val / 2 train / 1 bulk, 600 rpm, 0/8 leases, closed,
         # and an ETA of 4 samples at 10/s
-        assert ja[:5] == ["ja", "judge", "4", "1/2/1", "600/600"]
-        assert ja[-2:] == ["closed", "0.4"]
-        assert jb[2:5] == ["0", "0/0/0", "120/120"] and jb[-1] == "0.0"
+        assert ja[:6] == ["ja", "judge", "4", "0", "1/2/1", "600/600"]
+        assert ja[-2:] == ["closed", "8.0"]  # 4 tasks of 20 samples at 10/s
+        assert jb[2:6] == ["0", "0", "0/0/0", "120/120"] and jb[-1] == "0.0"
         # When two more validation tasks arrive and a 429 is reported, the screen follows
         app.send_task("qrq.score_chunk", kwargs={}, queue="qrq.ja", priority=0)
         app.send_task("qrq.score_chunk", kwargs={}, queue="qrq.ja", priority=0)
         app.limiter("ja").feedback(429, {"retry-after": "30"})
         text = wait_for(lambda: (r := row_of(screen(session), "ja")) and r[2] == "6" and r,
                         30, "the redrawn row")
-        assert text[3] == "3/2/1"
-        assert text[8] == "1"  # 429s in the last minute
-        assert float(text[9].rstrip("s")) > 20  # paused for Retry-After
+        assert text[4] == "3/2/1"
+        assert text[9] == "1"  # 429s in the last minute
+        assert float(text[10].rstrip("s")) > 20  # paused for Retry-After
         # And Ctrl-C ends it cleanly
         tmux("send-keys", "-t", session, "C-c")
         text = wait_for(lambda: "watch-exited-" in (t := screen(session)) and t, 15,
