@@ -174,7 +174,9 @@ def worker(
         "-E",
     ]
     if backend.pool.type == "prefork":
-        argv += ["--max-tasks-per-child", "1000"]
+        argv += ["--max-tasks-per-child", str(backend.pool.max_tasks_per_child)]
+        if backend.pool.max_memory_per_child_mb:
+            argv += ["--max-memory-per-child", str(backend.pool.max_memory_per_child_mb * 1024)]
     click.echo(
         describe_mode(config) + f"; worker for backend {backend.name!r} on queue {backend.queue}"
     )

@@ -64,6 +64,10 @@ class Pool:
     type: str = "threads"
     concurrency: int = 16
     rate_limit: str | None = None
+    # function backends: the helper process that runs the function (see backends/function.py)
+    memory_limit_mb: int | None = 2048
+    max_tasks_per_child: int = 1000
+    max_memory_per_child_mb: int | None = None
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,7 @@ class Backend:
     max_tokens: int = 16
     batch_size: int = 16
     function: str | None = None
+    options: dict[str, Any] = field(default_factory=dict, hash=False)  # fn(sample, **options)
     limits: Limits = field(default_factory=Limits)
     pool: Pool = field(default_factory=Pool)
     retry: Retry = field(default_factory=Retry)
@@ -256,7 +261,14 @@ def _pool(t: _Table, kind: str) -> Pool:
     if rate_limit is not None and not _RATE_LIMIT.match(rate_limit):
         raise t.fail("rate_limit", 'a Celery rate such as "50/s", "3000/m" or "100/h"')
     default_concurrency = (os.cpu_count() or 2) if pool_type == "prefork" else 16
-    pool = Pool(pool_type, t.integer("concurrency", default_concurrency), rate_limit)
+    pool = Pool(
+        pool_type,
+        t.integer("concurrency", default_concurrency),
+        rate_limit,
+        memory_limit_mb=t.integer("memory_limit_mb", Pool.memory_limit_mb, minimum=0) or None,
+        max_tasks_per_child=t.integer("max_tasks_per_child", Pool.max_tasks_per_child),
+        max_memory_per_child_mb=t.integer("max_memory_per_child_mb", None),
+    )
     t.finish()
     return pool
 
@@ -316,6 +328,7 @@ def load_backend(path: str | os.PathLike[str]) -> Backend:
         )
         if not re.fullmatch(r"[\w.]+:[\w.]+", values["function"]):
             raise b.fail("function", "an import path 'package.module:callable'")
+        values["options"] = b.get("options", dict, {}, expected="a table of keyword arguments")
     default_chunk = {"judge": 1, "function": 16}.get(kind, values.get("batch_size"))
     values["chunk_size"] = b.integer("chunk_size", default_chunk)
     b.finish()

@@ -9,6 +9,7 @@ QrqError
     │   ├── RateLimited        HTTP 429 (carries Retry-After)
     │   └── TransientError     timeout, connection error, 5xx
     └── PermanentError     other 4xx, unparseable verdict: retrying cannot help
+        └── SampleTimeout      a reward function ran over its time limit: status "timeout"
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ class ScoringError(QrqError):
     limiter can learn from failures as well as from successes.
     """
 
+    status = "error"  # the outcome status a sample failing this way gets
+
     def __init__(
         self,
         message: str,
@@ -76,3 +79,9 @@ class TransientError(RetryableError):
 
 class PermanentError(ScoringError):
     """A 4xx other than 429, or a reply we cannot parse: never retried blindly."""
+
+
+class SampleTimeout(PermanentError):
+    """A reward function ran over its per-sample time limit and was stopped."""
+
+    status = "timeout"

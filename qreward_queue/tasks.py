@@ -150,9 +150,8 @@ class ChunkRunner:
             self.breaker.failure() if failed else self.breaker.success()
 
     def _error(self, error: ScoringError, attempts: int, latency_ms: float, detail) -> Outcome:
-        return Outcome(
-            0.0, "error", self.config.name, attempts, latency_ms, error=str(error), detail=detail
-        )
+        name = self.config.name
+        return Outcome(0.0, error.status, name, attempts, latency_ms, error=str(error), detail=detail)
 
 
 def score_chunk(
@@ -217,7 +216,7 @@ def score_chunk(
 def _settled(outcome: Outcome, sample: dict, fallback: float, note: str = "") -> dict:
     """The outcome as it travels back: the sample's id, and the fallback score on errors."""
     outcome.id = sample.get("id")
-    if outcome.status == "error":
+    if outcome.status in ("error", "timeout"):
         outcome.score, outcome.error = fallback, f"{outcome.error}{note}"
     return outcome.to_dict()
 
