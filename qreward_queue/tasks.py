@@ -150,8 +150,9 @@ class ChunkRunner:
             self.breaker.failure() if failed else self.breaker.success()
 
     def _error(self, error: ScoringError, attempts: int, latency_ms: float, detail) -> Outcome:
-        name = self.config.name
-        return Outcome(0.0, error.status, name, attempts, latency_ms, error=str(error), detail=detail)
+        return Outcome(
+            0.0, error.status, self.config.name, attempts, latency_ms, str(error), detail
+        )
 
 
 def score_chunk(

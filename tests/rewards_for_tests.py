@@ -39,6 +39,7 @@ def pid_score(sample: dict) -> float:
     """The helper's pid, and optionally keep some memory alive in it."""
     keep = (sample.get("extra") or {}).get("keep_mb", 0)
     if keep:
-        pid_score.held = getattr(pid_score, "held", []) + [bytearray(keep * 2**20)]
-        pid_score.held[-1][:: 4096] = b"x" * len(pid_score.held[-1][:: 4096])
+        block = bytearray(keep * 2**20)
+        block[::4096] = b"x" * len(block[::4096])  # touch every page so it counts as resident
+        pid_score.held = [*getattr(pid_score, "held", []), block]
     return float(os.getpid())

@@ -10,13 +10,12 @@ import time
 
 import psutil
 import pytest
+from support import Worker, function_backend, pid_alive, toml_tables, wait_for, write_config
 
 import qreward_queue
 from qreward_queue.backends import make_backend
 from qreward_queue.config import Backend, Pool, load_backend
 from qreward_queue.errors import ConfigError, PermanentError, SampleTimeout
-
-from support import Worker, function_backend, pid_alive, toml_tables, wait_for, write_config
 
 
 def sample(response: str, **extra) -> dict:
@@ -69,7 +68,14 @@ def test_prefork_worker_times_out_only_the_hung_sample_and_stops_its_cpu(tmp_pat
         elapsed = time.monotonic() - started
         # Then only those samples fail, each with its own status and reason
         assert [o.status for o in outcomes] == [
-            "ok", "timeout", "ok", "error", "error", "timeout", "ok", "ok"
+            "ok",
+            "timeout",
+            "ok",
+            "error",
+            "error",
+            "timeout",
+            "ok",
+            "ok",
         ], outcomes
         assert [outcomes[i].score for i in (0, 2, 6, 7)] == [2.5, 4.5, 1.5, 7.0]
         assert outcomes[1].score == -1.0 and "over the 2 s limit per sample" in outcomes[1].error
@@ -98,7 +104,9 @@ def test_embedded_mode_runs_signal_based_code_and_enforces_the_limit(tmp_path):
     ).outcomes(timeout=60)
     # Then the signal-based sample is scored, the loop is a timeout, the rest is scored
     assert [(o.status, o.score) for o in outcomes] == [
-        ("ok", 7.0), ("timeout", -1.0), ("ok", 2.5)
+        ("ok", 7.0),
+        ("timeout", -1.0),
+        ("ok", 2.5),
     ], outcomes
 
 
