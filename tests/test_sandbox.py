@@ -18,6 +18,7 @@ import pytest
 from support import Worker, function_backend, write_config
 
 import qreward_queue
+from qreward_queue.errors import SampleTimeout
 from qreward_queue.rewards import sandbox
 from qreward_queue.rewards.code import code_reward, run_tests
 
@@ -131,7 +132,7 @@ def test_every_escape_is_contained_and_reported(canaries):
     assert canaries["listener"].accepted == 0
     assert statuses["infinite_loop"] == "timeout"
     assert statuses["print_100mb"] == "output_limit"
-    assert statuses["fork_bomb"] in ("timeout", "error")
+    assert statuses["fork_bomb"] == "timeout"  # it keeps trying; RLIMIT_NPROC keeps it small
     assert statuses["alloc_10gb"] == "error"
     assert statuses["write_1gb"] == "error"  # SIGXFSZ at the file-size limit
     assert statuses["kill_parent"] == "error"
@@ -171,6 +172,8 @@ def test_call_based_cases_leetcode_and_taco_shapes():
     )
     assert score == 0.0
     assert [c["status"] for c in run.cases] == ["timeout", "skipped"]
+    with pytest.raises(SampleTimeout, match="test case 0 ran over its 1 s limit"):
+        code_reward({"prompt": "", "response": hanging, "extra": {"tests": cases}}, case_s=1)
 
 
 def test_no_sandbox_is_a_clear_refusal_unless_unsafe(monkeypatch):
@@ -198,10 +201,12 @@ def test_escapes_through_a_real_worker_leave_it_alive_and_scoring(canaries, tmp_
     with Worker(config, "code") as worker:
         # When every escape attempt is scored through the queue
         outcomes = qreward_queue.submit_batch(batch_in, route="code", app=app).outcomes(timeout=120)
-        # Then each one scores 0 (contained), the honest program 1, and the worker lives on
-        assert [(o.status, o.score) for o in outcomes] == [("ok", 0.0)] * len(programs) + [
-            ("ok", 1.0)
-        ], outcomes
+        # Then each one scores 0 (contained) or is a timeout, the honest program scores 1,
+        # and the worker lives on
+        hanging = {"fork_bomb", "infinite_loop"}
+        want = [("timeout" if name in hanging else "ok", 0.0) for name in programs]
+        assert [(o.status, o.score) for o in outcomes] == [*want, ("ok", 1.0)], outcomes
+        assert "test case 0 ran over its 2 s limit" in outcomes[5].error
         assert worker.proc.poll() is None
         again = qreward_queue.submit_batch([batch_in[-1]], route="code", app=app)
         assert again.get(timeout=60) == [1.0]

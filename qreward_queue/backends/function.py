@@ -102,9 +102,15 @@ class HelperRunner:
 
     def _run(self, samples: list[dict], pending: list[int], results: list) -> list[int]:
         """Score `pending` in the helper; return what is left after a timeout or a crash."""
-        conn = self._start()
+        message = json.dumps([samples[p] for p in pending]).encode()
         self.slot[1], self.slot[0] = time.monotonic(), 0
-        conn.send_bytes(json.dumps([samples[p] for p in pending]).encode())
+        try:
+            conn = self._start()
+            conn.send_bytes(message)
+        except OSError:  # the helper died since the last chunk: start a fresh one
+            self.stop()
+            conn = self._start()
+            conn.send_bytes(message)
         limit, got = self.config.timeout_s, 0
         while got < len(pending):
             k = int(self.slot[0])
@@ -212,12 +218,15 @@ class _Forked:
         return self.exitcode
 
 
+_ERRORS = {"timeout": SampleTimeout, "error": PermanentError}
+
+
 def _receive(message: bytes, pending: list[int], results: list) -> int:
-    """Store one helper message (`[first index, [result, ...]]`); return how many are in."""
+    """Store one helper message (`[first index, [score or [status, reason], ...]]`)."""
     start, values = json.loads(message)
     for j, value in enumerate(values):
         results[pending[start + j]] = (
-            float(value) if not isinstance(value, str) else PermanentError(value)
+            float(value) if not isinstance(value, list) else _ERRORS[value[0]](value[1])
         )
     return start + len(values)
 
@@ -253,13 +262,13 @@ def _helper_main(
             samples = json.loads(conn.recv_bytes())
         except (EOFError, OSError):
             return
-        out: list[float | str] = []
+        out: list[float | list[str]] = []
         first, flushed = 0, time.monotonic()
         for k, sample in enumerate(samples):
             slot[1] = time.monotonic()
             slot[0] = k
             value = _score_one(fn, sample, options)
-            out.append(value if isinstance(value, float) else str(value))
+            out.append(value if isinstance(value, float) else [value.status, str(value)])
             now = time.monotonic()
             if now - flushed >= FLUSH_S or k == len(samples) - 1:
                 conn.send_bytes(json.dumps([first, out]).encode())
@@ -275,6 +284,8 @@ def _die_with_parent() -> None:
 def _score_one(fn: Callable[..., Any], sample: dict, options: dict) -> float | ScoringError:
     try:
         value = fn(sample, **options)
+    except SampleTimeout as exc:  # the function knows it ran out of time (e.g. code_reward)
+        return exc
     except Exception as exc:  # a user function may raise anything; it must not sink the chunk
         return PermanentError(f"reward function raised {type(exc).__name__}: {exc}"[:500])
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):

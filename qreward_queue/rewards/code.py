@@ -12,8 +12,9 @@ The program is the last ```python fenced block of the response (else the whole r
 All cases of one sample run in ONE sandbox (`sandbox.run_cases`: one process, a fork per
 case), which is what makes thousands of samples per minute possible. Expected outputs stay
 outside the sandbox; stdout is compared line by line with trailing whitespace ignored, and
-numbers within 1e-6. A program that hangs is stopped at `case_s`; its remaining cases are
-skipped and count as failed.
+numbers within 1e-6. A program that hangs is stopped at `case_s` and its remaining cases are
+skipped: `code_reward` then raises SampleTimeout (the sample's status is `timeout`, with the
+case named), `run_tests` counts them as failed.
 
 Example:
     >>> code_reward({"prompt": "", "response": "print(int(input()) * 2)",
@@ -28,6 +29,7 @@ import math
 import re
 from typing import Any
 
+from ..errors import SampleTimeout
 from .sandbox import Limits, Run, run_cases
 
 _FENCE = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
@@ -133,4 +135,11 @@ def code_reward(
 ) -> float:
     """Fraction of the sample's test cases the response's program passes, in a sandbox."""
     limits = Limits(time_s=time_s, case_s=case_s, memory_mb=memory_mb)
-    return run_tests(sample, limits, unsafe)[0]
+    score, run = run_tests(sample, limits, unsafe)
+    hung = [k for k, case in enumerate(run.cases) if case.get("status") == "timeout"]
+    if hung:
+        raise SampleTimeout(
+            f"test case {hung[0]} ran over its {case_s:g} s limit "
+            f"({score:.0%} of the cases passed before it)"
+        )
+    return score
