@@ -19,10 +19,17 @@ if ! redis_up; then
   redis_up || { echo "redis did not start; see /tmp/qrq-ci-redis.log"; exit 1; }
 fi
 
+# the code-execution sandbox (qreward_queue/rewards/sandbox.py) prefers bubblewrap
+if ! command -v bwrap >/dev/null; then
+  echo "installing bubblewrap (Debian package)"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null
+fi
+
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-.venv/bin/python -m pip install -q -e ".[dev]"
+.venv/bin/python -m pip install -q -e ".[dev,rewards]"
 .venv/bin/ruff check .
 exec .venv/bin/python -m pytest -q "$@"
