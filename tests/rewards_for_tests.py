@@ -23,6 +23,8 @@ def misbehave(sample: dict, bonus: float = 0.0) -> float:
                 time.sleep(0.01)
             except BaseException:
                 continue
+    if what == "c_loop":  # a loop inside C never looks at signals: only a kill stops it
+        return float(sum(range(10**15)))
     if what == "alloc":
         return float(len(bytearray(10 * 2**30)))
     if what == "die":

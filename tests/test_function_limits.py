@@ -150,10 +150,12 @@ def test_direct_calls_report_each_failure_and_keep_scoring():
             pool=Pool(type="prefork", memory_limit_mb=1024),
         )
     )
-    scores = client.call([sample("a"), sample("loop"), sample("die"), sample("bb")]).scores
-    assert scores[0] == 2.0 and scores[3] == 3.0
+    chunk = [sample("a"), sample("loop"), sample("die"), sample("bb"), sample("c_loop")]
+    scores = client.call([*chunk, sample("ccc")]).scores
+    assert scores[0] == 2.0 and scores[3] == 3.0 and scores[5] == 4.0
     assert isinstance(scores[1], SampleTimeout) and scores[1].status == "timeout"
     assert isinstance(scores[2], PermanentError) and scores[2].status == "error"
+    assert isinstance(scores[4], SampleTimeout)
 
 
 def test_limit_keys_are_read_and_checked(tmp_path):
