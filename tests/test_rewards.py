@@ -185,7 +185,7 @@ def test_rewards_through_the_function_backend_with_options():
 
 @pytest.mark.parametrize("name", ["math", "format", "code", "format-math"])
 def test_example_backend_files_load(name):
-    backend = load_backend(ROOT / "workers" / f"{name}.toml.example")
+    backend = load_backend(ROOT / "examples" / "workers" / f"{name}.toml")
     assert backend.name == name and backend.kind == "function"
     assert load_function(backend.function)
     for part in backend.options.get("parts", []):
