@@ -6,11 +6,13 @@ in tests/rewards_for_tests.py, imported by the worker by path.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import psutil
 import pytest
-from support import Worker, function_backend, pid_alive, toml_tables, wait_for, write_config
+from support import ROOT, Worker, function_backend, pid_alive, toml_tables, wait_for, write_config
 
 import qreward_queue
 from qreward_queue.backends import make_backend
@@ -170,3 +172,25 @@ def test_limit_keys_are_read_and_checked(tmp_path):
     path.write_text(toml_tables(tables))
     with pytest.raises(ConfigError, match=r"pool\.memory_limit_mb: expected an integer >= 0"):
         load_backend(path)
+
+
+def test_embedded_helpers_do_not_rerun_the_callers_script(tmp_path):
+    # Given a trainer script without a __main__ guard, in embedded mode
+    config = write_config(tmp_path, {"lim": limited(type="threads")}, routes={})
+    script = tmp_path / "train.py"
+    script.write_text(
+        f"import sys\nsys.path.insert(0, {str(ROOT)!r})  # tests.rewards_for_tests\n"
+        "import qreward_queue\n"
+        f"qreward_queue.configure({str(config)!r})\n"
+        "print('SCRIPT-RAN', flush=True)\n"
+        "batch = qreward_queue.submit_batch([{'prompt': 'p', 'response': 'abc'}], route='lim')\n"
+        "print('SCORES', batch.get(timeout=60), batch.outcomes(), flush=True)\n"
+        "qreward_queue.runtime.shutdown()\n"
+    )
+    # When it scores through a function backend (helpers start in fresh interpreters)
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    # Then the script ran once, and the sample was scored
+    assert out.stdout.count("SCRIPT-RAN") == 1, out.stdout + out.stderr
+    assert "SCORES [3.5]" in out.stdout, out.stdout + out.stderr

@@ -20,10 +20,13 @@ import ctypes
 import importlib
 import json
 import math
+import mmap
 import multiprocessing
 import os
 import resource
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -86,8 +89,10 @@ class HelperRunner:
 
     def __init__(self, config: Backend):
         self.config, self.owner = config, os.getpid()
-        self.slot = multiprocessing.RawArray("d", 2)
-        self.proc: _Forked | multiprocessing.process.BaseProcess | None = None
+        self._slot_fd = os.memfd_create("qrq-helper-slot")
+        os.ftruncate(self._slot_fd, 16)
+        self.slot = (ctypes.c_double * 2).from_buffer(mmap.mmap(self._slot_fd, 16))
+        self.proc: _Forked | _Spawned | None = None
         self.conn: Connection | None = None
         self.chunks = 0
 
@@ -143,14 +148,14 @@ class HelperRunner:
             return self.conn
         self.stop()
         parent, child = multiprocessing.Pipe()
-        args = (child, self.slot, self.config.function, self.config.options)
-        args += (self.config.pool.memory_limit_mb,)
+        config, memory = self.config, self.config.pool.memory_limit_mb
         if threading.active_count() == 1:  # fork is fast and inherits the imported function
+            args = (child, self.slot, config.function, config.options, memory)
             self.proc = _Forked(_helper_main, args)
-        else:  # a fork could inherit a lock another thread holds: start from a clean server
-            ctx = multiprocessing.get_context("forkserver")
-            self.proc = ctx.Process(target=_helper_main, args=args, daemon=True)
-            self.proc.start()
+        else:
+            setup = {"conn_fd": child.fileno(), "slot_fd": self._slot_fd, "path": sys.path}
+            setup |= {"function": config.function, "options": config.options, "memory": memory}
+            self.proc = _Spawned(setup)
         child.close()
         self.conn, self.chunks = parent, 0
         return parent
@@ -171,6 +176,11 @@ class HelperRunner:
         over_memory = pool.max_memory_per_child_mb and rss_mb > pool.max_memory_per_child_mb
         if over_tasks or over_memory:
             self.stop()
+
+    def __del__(self) -> None:  # a thread that ends takes its helper along
+        if self.owner == os.getpid():
+            with contextlib.suppress(Exception):
+                self.stop()
 
     def stop(self) -> None:
         """Kill the helper and everything in its process group."""
@@ -216,6 +226,41 @@ class _Forked:
             else:
                 time.sleep(0.01)
         return self.exitcode
+
+
+class _Spawned:
+    """A helper in a fresh interpreter. With other threads alive a fork could inherit a lock
+    held mid-operation; multiprocessing's spawn and forkserver would re-run the caller's
+    script (a trainer script without a `__main__` guard would start again)."""
+
+    def __init__(self, setup: dict):
+        code = "from qreward_queue.backends.function import _spawned_main; _spawned_main()"
+        self.popen = subprocess.Popen(
+            [sys.executable, "-c", code, json.dumps(setup)],
+            pass_fds=(setup["conn_fd"], setup["slot_fd"]),
+        )
+        self.pid = self.popen.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.returncode
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def join(self, timeout: float = 0.0) -> int | None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout)
+        return self.popen.returncode
+
+
+def _spawned_main() -> None:
+    """Entry point of a `_Spawned` helper: the setup is argv[1] (JSON)."""
+    setup = json.loads(sys.argv[1])
+    sys.path[:] = setup["path"]
+    slot = (ctypes.c_double * 2).from_buffer(mmap.mmap(setup["slot_fd"], 16))
+    conn = Connection(setup["conn_fd"])
+    _helper_main(conn, slot, setup["function"], setup["options"], setup["memory"])
 
 
 _ERRORS = {"timeout": SampleTimeout, "error": PermanentError}
