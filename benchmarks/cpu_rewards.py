@@ -64,12 +64,14 @@ def format_samples(n: int, rng: random.Random) -> list[dict]:
     return out
 
 
-MATH_EQUIVALENT = [  # (response answer, reference): the fast path cannot tell, math-verify can
-    ("\\frac{\\sqrt{2}}{2}", "\\frac{1}{\\sqrt{2}}"),
-    ("(x+1)^2", "x^2+2x+1"),
-    ("2\\sqrt{2}", "\\sqrt{8}"),
-    ("\\{1,2\\}", "\\{2,1\\}"),
-]
+def equivalent(a: int) -> tuple[str, str]:
+    """(response answer, reference) that only math-verify sees are equal, different per a."""
+    return [
+        (f"\\frac{{{a}\\sqrt{{2}}}}{{2}}", f"\\frac{{{a}}}{{\\sqrt{{2}}}}"),
+        (f"(x+{a})^2", f"x^2+{2 * a}x+{a * a}"),
+        (f"{a}\\sqrt{{2}}", f"\\sqrt{{{2 * a * a}}}"),
+        (f"\\{{{a},{a + 1}\\}}", f"\\{{{a + 1},{a}\\}}"),
+    ][a % 4]
 
 
 def math_samples(n: int, rng: random.Random) -> list[dict]:
@@ -80,7 +82,7 @@ def math_samples(n: int, rng: random.Random) -> list[dict]:
         if kind == 0:  # right, plain number: the fast path
             answer, reference = str(a * b), f"{a} * {b} = {a * b}\n#### {a * b}"
         elif kind == 1:  # right, but only math-verify sees it
-            answer, reference = MATH_EQUIVALENT[i % len(MATH_EQUIVALENT)]
+            answer, reference = equivalent(a)
         else:  # wrong: math-verify has the last word
             answer, reference = f"\\frac{{{a}}}{{{b}}}", f"\\frac{{{b}}}{{{a + 1}}}"
         response = f"Let us compute. {a} and {b} give the result.\nSo \\boxed{{{answer}}}."
@@ -244,9 +246,10 @@ def bench(reward: str, n: int, redis_url: str, loop_n: int) -> list[dict]:
     samples = MAKERS[reward](n, random.Random(7))
     # every client warms up on the same other samples (so no cache of a parser helps later)
     warm = MAKERS[reward](min(n, max(64, chunk * CORES * 2)), random.Random(99))
-    loop = run_loop(path, options, samples[:loop_n], warm)
+    # the pool first: its processes fork from this one, which must not have scored `samples`
     pool = run_pool(path, options, samples, warm)
     qrq = run_qrq(reward, samples, redis_url, chunk, warm)
+    loop = run_loop(path, options, samples[:loop_n], warm)
     reference = pool["scores"]
     for run in (loop, pool, qrq):
         run["reward"] = reward

@@ -39,6 +39,7 @@ from ..errors import PermanentError, SampleTimeout, ScoringError
 from .base import BackendClient, Call
 
 FLUSH_S = 0.02  # a helper sends its results at least this often, so a kill loses little work
+STARTUP_GRACE_S = 30.0
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _local = threading.local()
 
@@ -108,13 +109,14 @@ class HelperRunner:
     def _run(self, samples: list[dict], pending: list[int], results: list) -> list[int]:
         """Score `pending` in the helper; return what is left after a timeout or a crash."""
         message = json.dumps([samples[p] for p in pending]).encode()
-        self.slot[1], self.slot[0] = time.monotonic(), 0
+        conn = self._start()
         try:
-            conn = self._start()
+            self._stamp()
             conn.send_bytes(message)
         except OSError:  # the helper died since the last chunk: start a fresh one
             self.stop()
             conn = self._start()
+            self._stamp()
             conn.send_bytes(message)
         limit, got = self.config.timeout_s, 0
         while got < len(pending):
@@ -142,6 +144,13 @@ class HelperRunner:
                 )
                 return pending[got:k] + pending[k + 1 :]
         return []
+
+    def _stamp(self) -> None:
+        """Start the clock of sample 0; a new helper (no chunk done yet) gets time to start
+        up first, so its imports are not blamed on a sample (the helper stamps each sample
+        itself as it begins)."""
+        grace = STARTUP_GRACE_S if self.chunks == 0 else 0.0
+        self.slot[1], self.slot[0] = time.monotonic() + grace, 0
 
     def _start(self) -> Connection:
         if self.proc is not None and self.proc.is_alive() and self.conn is not None:
