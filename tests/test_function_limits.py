@@ -16,6 +16,7 @@ from support import ROOT, Worker, function_backend, pid_alive, toml_tables, wait
 
 import qreward_queue
 from qreward_queue.backends import make_backend
+from qreward_queue.backends.function import STARTUP_GRACE_S, runner
 from qreward_queue.config import Backend, Pool, load_backend
 from qreward_queue.errors import ConfigError, PermanentError, SampleTimeout
 
@@ -158,6 +159,12 @@ def test_direct_calls_report_each_failure_and_keep_scoring():
     assert isinstance(scores[1], SampleTimeout) and scores[1].status == "timeout"
     assert isinstance(scores[2], PermanentError) and scores[2].status == "error"
     assert isinstance(scores[4], SampleTimeout)
+    # a fresh helper gets a startup grace, yet its first sample still has only its limit
+    runner(client.config).stop()
+    started = time.monotonic()
+    first = client.call([sample("loop"), sample("a")]).scores
+    assert isinstance(first[0], SampleTimeout) and first[1] == 2.0
+    assert time.monotonic() - started < STARTUP_GRACE_S
 
 
 def test_limit_keys_are_read_and_checked(tmp_path):

@@ -40,6 +40,7 @@ from .base import BackendClient, Call
 
 FLUSH_S = 0.02  # a helper sends its results at least this often, so a kill loses little work
 STARTUP_GRACE_S = 30.0
+POLL_S = 0.25  # the parent looks at the slot at least this often (a new helper's first stamp)
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _local = threading.local()
 
@@ -133,7 +134,7 @@ class HelperRunner:
                 )
                 return pending[got:k] + pending[k + 1 :]
             try:
-                if conn.poll(max(wait, 0.001)):
+                if conn.poll(min(max(wait, 0.001), POLL_S)):
                     got = _receive(conn.recv_bytes(), pending, results)
             except (EOFError, OSError):
                 how = self._exit_reason()
