@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import QrqWorker, flush_redis, percentile, write_config
+from common import QrqWorker, flush_redis, percentile, process_tree_cpu_s, write_config
 
 import qreward_queue
 from qreward_queue.backends.function import load_function
@@ -178,11 +178,14 @@ def run_loop(path: str, options: dict, samples: list[dict], warm: list[dict]) ->
 def run_pool(path: str, options: dict, samples: list[dict], warm: list[dict]) -> dict:
     with multiprocessing.get_context("fork").Pool(CORES) as pool:
         pool.map(call_timed, [(path, options, s) for s in warm], chunksize=1)
-        started = time.perf_counter()
+        cpu, started = process_tree_cpu_s(os.getpid()), time.perf_counter()
         chunk = max(1, len(samples) // (CORES * 8))
         results = pool.map(call_timed, [(path, options, s) for s in samples], chunksize=chunk)
         wall = time.perf_counter() - started
-    return summary(f"multiprocessing.Pool({CORES})", wall, results)
+        cpu = process_tree_cpu_s(os.getpid()) - cpu
+    out = summary(f"multiprocessing.Pool({CORES})", wall, results)
+    out["cores_used"] = round(cpu / wall, 2)
+    return out
 
 
 def run_qrq(reward: str, samples: list[dict], redis_url: str, chunk: int, warm: list[dict]) -> dict:
@@ -204,11 +207,12 @@ def run_qrq(reward: str, samples: list[dict], redis_url: str, chunk: int, warm: 
         worker = QrqWorker(config, reward, reward, app)
         try:
             qreward_queue.submit_batch(warm, route=reward, app=app).get(timeout=600)
-            started = time.perf_counter()
+            cpu, started = worker.cpu_s() + time.process_time(), time.perf_counter()
             batch = qreward_queue.submit_batch(samples, route=reward, app=app)
             enqueued = time.perf_counter() - started
             outcomes = batch.outcomes(timeout=3600)
             wall = time.perf_counter() - started
+            cpu = worker.cpu_s() + time.process_time() - cpu
         finally:
             worker.stop()
     results = [
@@ -217,6 +221,7 @@ def run_qrq(reward: str, samples: list[dict], redis_url: str, chunk: int, warm: 
     ]
     out = summary(f"qrq (prefork x{CORES}, chunk {chunk})", wall, results)
     out["enqueue_s"] = round(enqueued, 4)
+    out["cores_used"] = round(cpu / wall, 2)  # the worker's processes and this client
     return out
 
 
@@ -275,7 +280,8 @@ def main(argv: list[str] | None = None) -> None:
     rewards = list(REWARDS) if args.reward == "all" else [args.reward]
     print(
         f"{'reward':7} {'client':32} {'n':>5} {'wall_s':>7} {'per_s':>8} {'x pool':>7} "
-        f"{'enqueue_s':>9} {'p50_ms':>7} {'p99_ms':>7} {'wrong':>5} {'hang_max_s':>10} statuses"
+        f"{'enqueue_s':>9} {'p50_ms':>7} {'p99_ms':>7} {'wrong':>5} {'hang_max_s':>10} "
+        f"{'cores':>5} statuses"
     )
     for reward in rewards:
         n = args.code_n if reward == "code" else args.n
@@ -286,7 +292,8 @@ def main(argv: list[str] | None = None) -> None:
                 f"{reward:7} {run['client']:32} {run['n']:5d} {run['wall_s']:7.2f} "
                 f"{run['per_s']:8.1f} {run['ratio_to_pool']:7.2f} "
                 f"{run.get('enqueue_s', float('nan')):9.3f} {run['p50_ms']:7.1f} "
-                f"{run['p99_ms']:7.1f} {run['wrong']:5d} {hang:>10} {run['statuses']}",
+                f"{run['p99_ms']:7.1f} {run['wrong']:5d} {hang:>10} "
+                f"{run.get('cores_used', float('nan')):5.2f} {run['statuses']}",
                 flush=True,
             )
             if args.json:
