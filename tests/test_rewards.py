@@ -190,3 +190,37 @@ def test_example_backend_files_load(name):
     assert load_function(backend.function)
     for part in backend.options.get("parts", []):
         assert load_function(part["function"])
+
+
+def test_math_verify_through_embedded_mode(tmp_path):
+    # Given embedded mode (worker threads) and a math backend; math-verify's timeouts use
+    # SIGALRM: the function runs in the main thread of a helper process, where they work
+    pytest.importorskip("math_verify")
+    from support import write_config
+
+    import qreward_queue
+
+    tables = {
+        "backend": {
+            "kind": "function",
+            "function": "qreward_queue.rewards.math:math_reward",
+            "chunk_size": 4,
+            "timeout_s": 30,
+        },
+        "pool": {"type": "threads", "concurrency": 2},
+    }
+    config = write_config(tmp_path, {"math": tables}, routes={})
+    qreward_queue.configure(qreward_queue.load_config(config))
+    samples = [
+        s("\\boxed{\\frac{\\sqrt{2}}{2}}", "\\frac{1}{\\sqrt{2}}"),
+        s("\\boxed{(x+1)^2}", "x^2+2x+1"),
+        s("\\boxed{x^2+1}", "x^2+2x+1"),
+        s("#### 72", GSM8K_REFERENCE),
+    ]
+    outcomes = qreward_queue.submit_batch(samples, route="math").outcomes(timeout=120)
+    assert [(o.status, o.score) for o in outcomes] == [
+        ("ok", 1.0),
+        ("ok", 1.0),
+        ("ok", 0.0),
+        ("ok", 1.0),
+    ], outcomes
