@@ -39,7 +39,7 @@ from ..errors import PermanentError, SampleTimeout, ScoringError
 from .base import BackendClient, Call
 
 FLUSH_S = 0.02  # a helper sends its results at least this often, so a kill loses little work
-STARTUP_GRACE_S = 30.0
+STARTUP_GRACE_S = 30.0  # a new helper's imports before sample 0 are not that sample's time
 POLL_S = 0.25  # the parent looks at the slot at least this often (a new helper's first stamp)
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _local = threading.local()
