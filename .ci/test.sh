@@ -31,6 +31,6 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-.venv/bin/python -m pip install -q -e ".[dev]"
+.venv/bin/python -m pip install -q -e ".[dev,rewards]"
 .venv/bin/ruff check .
 exec .venv/bin/python -m pytest -q "$@"

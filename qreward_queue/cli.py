@@ -250,7 +250,9 @@ def worker(
         "-E",
     ]
     if backend.pool.type == "prefork":
-        argv += ["--max-tasks-per-child", "1000"]
+        argv += ["--max-tasks-per-child", str(backend.pool.max_tasks_per_child)]
+        if backend.pool.max_memory_per_child_mb:
+            argv += ["--max-memory-per-child", str(backend.pool.max_memory_per_child_mb * 1024)]
     if metrics_port:
         from .metrics import serve_worker
 

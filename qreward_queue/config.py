@@ -106,6 +106,10 @@ class Pool:
     concurrency: int = 2  # chunk tasks at once per worker process
     rate_limit: str | None = None
     calls: int = 32  # backend calls in flight per worker process, shared by its tasks
+    # function backends: the helper process that runs the function (see backends/function.py)
+    memory_limit_mb: int | None = 2048
+    max_tasks_per_child: int = 1000
+    max_memory_per_child_mb: int | None = None
 
 
 @dataclass(frozen=True)
@@ -139,6 +143,7 @@ class Backend:
     score_match: str = "unique"  # several scores in one reply: unique | first | last
     batch_size: int = 16
     function: str | None = None
+    options: dict[str, Any] = field(default_factory=dict, hash=False)  # fn(sample, **options)
     limits: Limits = field(default_factory=Limits)
     pool: Pool = field(default_factory=Pool)
     retry: Retry = field(default_factory=Retry)
@@ -324,6 +329,9 @@ def _pool(t: _Table, kind: str) -> Pool:
         t.integer("concurrency", default_concurrency),
         rate_limit,
         t.integer("calls", 1 if kind == "function" else Pool.calls),
+        memory_limit_mb=t.integer("memory_limit_mb", Pool.memory_limit_mb, minimum=0) or None,
+        max_tasks_per_child=t.integer("max_tasks_per_child", Pool.max_tasks_per_child),
+        max_memory_per_child_mb=t.integer("max_memory_per_child_mb", None),
     )
     t.finish()
     return pool
@@ -391,6 +399,7 @@ def load_backend(path: str | os.PathLike[str]) -> Backend:
         )
         if not re.fullmatch(r"[\w.]+:[\w.]+", values["function"]):
             raise b.fail("function", "an import path 'package.module:callable'")
+        values["options"] = b.get("options", dict, {}, expected="a table of keyword arguments")
     values["chunk_size"] = b.integer("chunk_size", 16 if kind == "function" else None)
     b.finish()
     backend = Backend(

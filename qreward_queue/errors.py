@@ -10,6 +10,7 @@ QrqError
     │   ├── TransientError     timeout, connection error, 5xx
     │   └── LimiterBusy        the global limiter cannot start the call soon: try again later
     ├── PermanentError     other 4xx, unparseable verdict: retrying cannot help
+    │   └── SampleTimeout      a reward function ran over its time limit: status "timeout"
     └── DeadlineExceeded   the batch deadline passed first: outcome status "timeout"
 """
 
@@ -50,7 +51,7 @@ class ScoringError(QrqError):
     backend, so both are redacted (no API key or bearer token survives in them).
     """
 
-    status = "error"
+    status = "error"  # the outcome status a sample failing this way gets
 
     def __init__(
         self,
@@ -97,5 +98,11 @@ class LimiterBusy(RetryableError):
 
 class DeadlineExceeded(ScoringError):
     """The batch deadline passed before the sample was scored."""
+
+    status = "timeout"
+
+
+class SampleTimeout(PermanentError):
+    """A reward function ran over its per-sample time limit and was stopped."""
 
     status = "timeout"

@@ -25,6 +25,8 @@ def toml_value(value) -> str:
         return json.dumps(value)
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {toml_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(value)
 
 
@@ -225,9 +227,9 @@ def recording_exact_match(sample: dict) -> float:
     from qreward_queue.rewards.basic import exact_match
 
     extra = sample.get("extra") or {}
-    if extra.get("pid_file"):
+    if extra.get("pid_file"):  # the function runs in a helper process of the pool child
         with open(extra["pid_file"], "a") as fh:
-            fh.write(f"{os.getpid()}\n")
+            fh.write(f"{os.getppid()}\n")
     time.sleep(float(extra.get("sleep_s", 0)))
     return exact_match(sample)
 

@@ -1,1 +1,8 @@
-"""Built-in CPU rewards, usable as `function` backends."""
+"""Built-in CPU rewards, each `fn(sample, **options) -> float`, usable as `function` backends.
+
+- `math.math_reward`: final-answer extraction, a fast string/number path, then math-verify;
+- `format.format_reward`: tag structure, overlong and repetition penalties;
+- `code.code_reward`: the response's program against test cases, in `sandbox`;
+- `combine.weighted_sum`: several rewards of one sample in one task;
+- `basic.exact_match`: the last number against the reference's.
+"""
