@@ -256,7 +256,7 @@ class RewardBatch:
         fresh = {}
         for i, outcome in zip(chunk.indices, outcomes, strict=True):
             self._place(i, outcome)
-            if outcome.status == "ok":
+            if self.cache and outcome.status == "ok":
                 fresh[content_key(self.samples[i])] = outcome
         if self.cache and fresh:
             self.cache.put_many(fresh)
