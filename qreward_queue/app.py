@@ -28,6 +28,7 @@ kombu_fix.install()  # a Redis restart must not kill the worker (see kombu_fix)
 
 PRIORITIES = {"val": 0, "train": 6, "bulk": 9}  # on Redis 0 is served first
 EMBEDDED_FINISH_DELAY_S = 0.01
+REDIS_READ_TIMEOUT_S = 3.0  # qrq's own Redis reads (client polls, limiter, cache)
 
 
 class QrqCelery(Celery):
@@ -53,7 +54,7 @@ class QrqCelery(Celery):
             return fakeredis.FakeRedis(server=fakeredis.FakeServer())
         return redis.Redis.from_url(
             self.qrq_config.redis_url,
-            socket_timeout=10,
+            socket_timeout=REDIS_READ_TIMEOUT_S,
             socket_connect_timeout=5,
             health_check_interval=30,
         )
@@ -142,7 +143,9 @@ def celery_settings(config: Config) -> dict:
             broker_transport_options=transport,
             result_backend_transport_options={"global_keyprefix": keys.PREFIX},
             redis_backend_health_check_interval=30,
-            redis_socket_timeout=10,  # a result read never hangs on a dead connection
+            # a result read never hangs on a dead (or frozen) Redis: the client's deadline
+            # holds to within this
+            redis_socket_timeout=REDIS_READ_TIMEOUT_S,
             redis_socket_connect_timeout=5,
             redis_retry_on_timeout=True,
         )

@@ -8,12 +8,14 @@ validate -> dedup -> cache lookup -> plan chunks over the route (weight x free c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
 from collections.abc import Generator, Sequence
 from typing import Any, Literal
 
+import kombu.exceptions
 import redis
 from celery.states import READY_STATES
 
@@ -22,10 +24,10 @@ from .app import PRIORITIES, QrqCelery
 from .cache import ScoreCache, content_key, reward_identity
 from .capacity import queue_depth, route_shares
 from .config import Route
-from .errors import DeadlineExceeded, ScoringError
+from .errors import DeadlineExceeded, RedisUnreachable, ScoringError
 from .liveness import NoWorkerWatch
 from .routing import Chunk, plan
-from .runtime import get_app
+from .runtime import get_app, redis_problem
 from .samples import Outcome, validate_samples
 from .tasks import TASK_NAME, summary
 
@@ -201,7 +203,8 @@ class RewardBatch:
         for task_id in collected:
             self._settle(self._pending.pop(task_id), metas[task_id])
         if collected:  # read once, never again: the expiry stays as the safety net
-            self.app.backend.forget_many(collected)
+            with contextlib.suppress(redis.RedisError, OSError):
+                self.app.backend.forget_many(collected)
         if lost and time.time() < self.deadline:
             for task_id in lost:
                 self._pending.pop(task_id, None)
@@ -258,8 +261,9 @@ class RewardBatch:
             self._place(i, outcome)
             if self.cache and outcome.status == "ok":
                 fresh[content_key(self.samples[i])] = outcome
-        if self.cache and fresh:
-            self.cache.put_many(fresh)
+        if self.cache and fresh:  # best effort: a Redis hiccup costs a cache entry, not a score
+            with contextlib.suppress(redis.RedisError, OSError):
+                self.cache.put_many(fresh)
 
     def _expire(self) -> None:
         late = DeadlineExceeded("no result by the batch deadline")
@@ -296,7 +300,8 @@ def submit_batch(
     Invalid samples raise InvalidSamples (naming every bad index) before anything is queued,
     or with `on_invalid="outcome"` come back as `error` outcomes while the rest is scored.
     Identical samples are scored once; with the route's cache on, known scores come back
-    as `cached` without touching a queue.
+    as `cached` without touching a queue. Raises RedisUnreachable (one line naming the URL)
+    when distributed mode cannot reach Redis.
     """
     app = app or get_app()
     config = app.qrq_config
@@ -323,17 +328,20 @@ def submit_batch(
         if the_route.cache
         else None
     )
-    hits = cache.get_many(list(first)) if cache else {}
-    if cache:
-        metrics.record_cache(app.store, the_route.name, len(first), len(hits))
-    for key, outcome in hits.items():
-        outcomes[first[key]] = outcome
-    todo = [i for key, i in first.items() if key not in hits]
     deadline = time.time() + (deadline_s if deadline_s is not None else config.deadline_s)
-    batch = RewardBatch(
-        app, the_route, samples, outcomes, copies, cache, PRIORITIES[priority], deadline
-    )
-    batch.send(plan(config, the_route, todo, route_shares(app, the_route, len(todo))))
+    try:  # every Redis outage at submit is one error type, whichever part met it
+        hits = cache.get_many(list(first)) if cache else {}
+        if cache:
+            metrics.record_cache(app.store, the_route.name, len(first), len(hits))
+        for key, outcome in hits.items():
+            outcomes[first[key]] = outcome
+        todo = [i for key, i in first.items() if key not in hits]
+        batch = RewardBatch(
+            app, the_route, samples, outcomes, copies, cache, PRIORITIES[priority], deadline
+        )
+        batch.send(plan(config, the_route, todo, route_shares(app, the_route, len(todo))))
+    except (redis.RedisError, kombu.exceptions.OperationalError, OSError) as exc:
+        raise RedisUnreachable(redis_problem(config, exc)) from None
     return batch
 
 

@@ -4,6 +4,7 @@ QrqError
 ├── ConfigError        a broken qrq.toml or workers/*.toml (names file and key)
 ├── InvalidSamples     samples rejected before anything is queued (names every index)
 ├── UnknownRoute       submit_batch(route=...) names no configured route or backend
+├── RedisUnreachable   distributed mode cannot use its Redis (names the URL, no password)
 └── ScoringError       a sample could not be scored: outcome status `status` ("error")
     ├── RetryableError     worth another try, here or on a sibling backend
     │   ├── RateLimited        HTTP 429 (carries Retry-After)
@@ -31,6 +32,11 @@ class ConfigError(QrqError):
 
 class UnknownRoute(QrqError):
     """A route or backend name that the configuration does not define."""
+
+
+class RedisUnreachable(QrqError):
+    """Distributed mode cannot use its Redis: one line naming the URL (no password) and what
+    to check. `submit_batch` raises it whatever part of the client met the outage."""
 
 
 class InvalidSamples(QrqError):

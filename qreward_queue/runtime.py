@@ -10,7 +10,7 @@ import redis
 
 from .app import EmbeddedWorker, QrqCelery
 from .config import Config, load_config, redact_url
-from .errors import QrqError
+from .errors import RedisUnreachable
 
 _lock = threading.Lock()
 _app: QrqCelery | None = None
@@ -57,10 +57,6 @@ def describe_mode(config: Config) -> str:
             "set QRQ_REDIS_URL for distributed mode)"
         )
     return f"qrq: distributed mode (Redis at {redact_url(config.redis_url)})"
-
-
-class RedisUnreachable(QrqError):
-    """Distributed mode cannot use its Redis: one line naming the URL (no password)."""
 
 
 def redis_problem(config: Config, exc: Exception) -> str:

@@ -1,0 +1,168 @@
+"""Hardening of the call and the client (issue 12, items 3, 5, 7, 10, 12): a trickling reply
+ends at the call's time limit, redirects are never followed, retried tasks carry no prompt in
+their headers, the deadline holds when Redis freezes, and a Redis outage at submit is one
+error type naming the URL without its password."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import socket
+import threading
+import time
+
+import pytest
+import redis
+from support import PrivateRedis, Worker, free_port, judge_backend, wait_for, write_config
+
+import qreward_queue
+from qreward_queue.backends.http import post_json
+from qreward_queue.config import Backend
+from qreward_queue.errors import PermanentError, RedisUnreachable, TransientError
+from qreward_queue.mock_judge import MockJudgeSettings, spawn
+
+
+class RawServer:
+    """A TCP server of the test's own that answers every connection with `reply(conn)`."""
+
+    def __init__(self, reply):
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.connections = 0
+        self.reply = reply
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        try:
+            conn.recv(65536)
+            self.reply(conn)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def judge(url: str, timeout_s: float = 2.0) -> Backend:
+    return Backend(name="hostile", kind="judge", url=url, model="m", timeout_s=timeout_s)
+
+
+def test_a_trickling_reply_ends_at_the_calls_total_time_limit():
+    stop = threading.Event()
+
+    def trickle(conn: socket.socket) -> None:  # valid headers, then a byte a second
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n")
+        while not stop.wait(1.0):
+            conn.sendall(b" ")
+
+    server = RawServer(trickle)
+    try:
+        started = time.monotonic()
+        with pytest.raises(TransientError) as caught:
+            post_json(judge(f"http://127.0.0.1:{server.port}/v1"),
+                      f"http://127.0.0.1:{server.port}/v1/chat/completions", {"x": 1})
+        elapsed = time.monotonic() - started
+    finally:
+        stop.set()
+        server.close()
+    # each read got a byte in time, yet the call as a whole ended at its 2 s limit
+    assert caught.value.timed_out and "within 2 s" in str(caught.value)
+    assert elapsed < 2.0 + 1.5, elapsed
+
+
+@pytest.mark.parametrize("code", [301, 302, 307, 308])
+def test_a_redirect_is_an_error_naming_where_it_pointed_and_is_not_followed(code):
+    elsewhere = RawServer(lambda conn: conn.sendall(b"HTTP/1.1 200 OK\r\n\r\n"))
+    target = f"http://user:pw@127.0.0.1:{elsewhere.port}/steal"
+    server = RawServer(lambda conn: conn.sendall(
+        f"HTTP/1.1 {code} Moved\r\nLocation: {target}\r\nContent-Length: 0\r\n\r\n".encode()))
+    try:
+        with pytest.raises(PermanentError) as caught:
+            post_json(judge(f"http://127.0.0.1:{server.port}/v1"),
+                      f"http://127.0.0.1:{server.port}/v1/chat/completions",
+                      {"messages": [{"role": "user", "content": "the prompt"}]})
+    finally:
+        server.close()
+        elsewhere.close()
+    message = str(caught.value)
+    assert f"redirected ({code}) to http://127.0.0.1:{elsewhere.port}/steal" in message
+    assert "pw" not in message
+    assert elsewhere.connections == 0  # nothing, prompt included, went to the other host
+
+
+def test_submit_with_redis_down_raises_one_error_type_naming_the_url(tmp_path):
+    url = f"redis://:hunter2secret@127.0.0.1:{free_port()}/0"
+    config = write_config(tmp_path, {"j": judge_backend("http://127.0.0.1:9")}, redis_url=url)
+    app = qreward_queue.configure(config)
+    for route_kwargs in ({"route": "j"}, {"route": "j", "priority": "val"}):
+        with pytest.raises(RedisUnreachable) as caught:
+            qreward_queue.submit_batch([{"prompt": "p", "response": "r"}], app=app,
+                                       **route_kwargs)
+        message = str(caught.value)
+        assert f"127.0.0.1:{url.rsplit(':', 1)[1].split('/')[0]}" in message
+        assert "hunter2secret" not in message and "\n" not in message
+
+
+def test_retried_tasks_show_a_summary_not_the_prompt(tmp_path, redis_url):
+    # Given a judge that is down, and a retry backoff long enough to look at the message
+    backend = judge_backend(f"http://127.0.0.1:{free_port()}")
+    backend["retry"] = {"attempts": 3, "backoff_base_s": 30, "jitter": False}
+    config = write_config(tmp_path, {"down": backend}, redis_url=redis_url)
+    app = qreward_queue.configure(config)
+    store = redis.Redis.from_url(redis_url)
+    with Worker(config, "down"):
+        qreward_queue.submit_batch([{"prompt": "TOP-SECRET-PROMPT", "response": "r"}],
+                                   route="down", app=app, deadline_s=120)
+
+        def retried() -> list[dict]:  # the retry waits out its countdown, unacked, in Redis
+            found = []
+            for raw in store.hvals("qrq:unacked"):
+                payload = json.loads(raw)[0]  # [message, exchange, routing key]
+                if payload["headers"].get("retries"):
+                    found.append(payload)
+            return found
+
+        (message,) = wait_for(retried, timeout_s=30, what="the retried task message")
+    headers = message["headers"]
+    assert headers["argsrepr"] == "('down', <1 samples>)" and headers["kwargsrepr"] == "{}"
+    assert "TOP-SECRET-PROMPT" not in json.dumps(headers)
+    assert "TOP-SECRET-PROMPT" in base64.b64decode(message["body"]).decode()  # the task's own
+    store.close()
+
+
+def test_the_deadline_holds_when_redis_freezes(tmp_path, stack):
+    private = PrivateRedis(tmp_path).start()
+    stack.callback(private.kill)
+    judge_proc = stack.enter_context(spawn(MockJudgeSettings(latency_ms=200, latency_cv=0)))
+    config = write_config(tmp_path, {"j": judge_backend(judge_proc.url, calls=2)},
+                          redis_url=private.url)
+    app = qreward_queue.configure(config)
+    worker = stack.enter_context(Worker(config, "j"))
+    samples = [{"prompt": f"p{i}", "response": f"r{i}"} for i in range(40)]
+    batch = qreward_queue.submit_batch(samples, route="j", app=app, deadline_s=8)
+    wait_for(lambda: batch.completed > 0, timeout_s=30, what="the first results")
+    # When Redis stops answering (SIGSTOP) mid-batch
+    os.kill(private.proc.pid, signal.SIGSTOP)
+    stack.callback(lambda: os.kill(private.proc.pid, signal.SIGCONT))
+    outcomes = batch.outcomes()
+    late_by = time.time() - batch.deadline
+    # Then get() returns near its deadline, with what came back and the rest as timeouts
+    assert late_by < 3.0 + 2.0, late_by  # at most one Redis read timeout past it
+    assert {o.status for o in outcomes} <= {"ok", "timeout"}
+    assert sum(o.status == "timeout" for o in outcomes) > 0
+    os.kill(private.proc.pid, signal.SIGCONT)
+    worker.stop()
