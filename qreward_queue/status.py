@@ -90,6 +90,8 @@ def render_snapshot(snap: dict) -> str:
             f"{row.get('recent_429s', 0):>9}{row.get('paused_for_s', 0.0):>6.1f}s"
             f"{row['breaker']:>10}{_fmt(row['eta_s'], '.1f'):>7}"
         )
+    lines += [f"  {row['backend']}: a reply out of bounds (last 10 min): {row['bounded']}"
+              for row in snap["backends"] if row.get("bounded")]
     return "\n".join(lines)
 
 

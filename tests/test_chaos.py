@@ -380,3 +380,6 @@ def test_rate_limit_headers_of_a_hostile_backend_cannot_stop_it(tmp_path, redis_
     second = qreward_queue.submit_batch(samples, route="j", app=app, deadline_s=60).outcomes()
     # Then every sample of both is scored: the bad values were ignored or bounded
     assert [(o.status, o.score) for o in first + second] == [("ok", 0.5)] * 40, first + second
+    # and what was bounded shows in `qrq status` for a while
+    bounded = app.limiter("j").status()["bounded"]
+    assert bounded and "x-ratelimit-reset-requests" in bounded, bounded

@@ -85,8 +85,10 @@ def post_json(config: Backend, url: str, payload: dict) -> Reply:
     facts = {"status_code": resp.status, "headers": reply_headers}
     text = raw[:500].decode("utf-8", "replace")
     if resp.status == 429:
-        bounded = RateLimitHeaders.from_headers(reply_headers, None, config.limits.max_pause_s)
-        raise RateLimited("rate limited (429)", text, retry_after_s=bounded.retry_after_s, **facts)
+        told = RateLimitHeaders.from_headers(reply_headers, None, config.limits.max_pause_s)
+        note = f" [bounded: {'; '.join(told.bounded)}]" if told.bounded else ""
+        raise RateLimited("rate limited (429)", text + note, retry_after_s=told.retry_after_s,
+                          **facts)
     if resp.status >= 500:
         raise TransientError(f"server error {resp.status} from {where}", text, **facts)
     if 300 <= resp.status < 400:
