@@ -22,7 +22,7 @@ from celery.states import READY_STATES
 from . import keys, metrics
 from .app import PRIORITIES, QrqCelery
 from .cache import ScoreCache, content_key, reward_identity
-from .capacity import queue_depth, route_shares
+from .capacity import count_queued, queue_depth, route_shares
 from .config import Route
 from .errors import DeadlineExceeded, RedisUnreachable, ScoringError
 from .liveness import NoWorkerWatch
@@ -182,6 +182,9 @@ class RewardBatch:
                     **summary(chunk.backend, samples),
                 )
                 self._pending[task_id] = chunk
+        if not config.embedded:  # the planner's view of each backend's backlog
+            for queue, n in _sizes(chunks, config).items():
+                count_queued(self.app.store, queue, n)
         if not config.embedded:
             # Redis losing its data (a restart without persistence) takes this key with it.
             self._sentinel = self._sentinel or keys.batch_sentinel(uuid.uuid4().hex)
@@ -279,6 +282,14 @@ class RewardBatch:
         fallback = self.app.qrq_config.fallback_score
         for j in [i, *self._copies.get(i, ())]:
             self._outcomes[j] = outcome.placed(_id(self.samples[j]), fallback)
+
+
+def _sizes(chunks: list[Chunk], config) -> dict[str, int]:
+    sizes: dict[str, int] = {}
+    for c in chunks:
+        queue = config.backend(c.backend).queue
+        sizes[queue] = sizes.get(queue, 0) + len(c.indices)
+    return sizes
 
 
 def _describe(result: Any) -> str:

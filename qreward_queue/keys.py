@@ -17,6 +17,11 @@ def queue_lists(queue: str) -> list[str]:
     return [f"{PREFIX}{queue}"] + [f"{PREFIX}{queue}:{p}" for p in range(1, PRIORITY_LEVELS)]
 
 
+def queued_samples(queue: str) -> str:
+    """Counter of the samples waiting in `queue`: + at publish, - when a worker takes them."""
+    return f"{PREFIX}queued:{queue}"
+
+
 def held(task_id: str) -> str:
     """The node holding a task (running it, or waiting out its retry countdown)."""
     return f"{PREFIX}held:{task_id}"

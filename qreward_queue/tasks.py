@@ -342,6 +342,7 @@ def score_chunk(
     config = app.backend_config(backend)
     done = list(done) if done else [None] * len(samples)
     todo = [i for i, o in enumerate(done) if o is None]
+    _requeued(app, config.queue, -len(todo))
     siblings = [b for b in (route or []) if b != backend and b not in (tried or [])]
     breaker = app.breaker(backend) if len(route or ()) > 1 else None
     left: dict[int, Outcome | None] = {}
@@ -376,10 +377,12 @@ def score_chunk(
         metrics.record_retry(backend, "limiter_busy" if nxt.action == "wait" else "backoff")
         if nxt.action == "retry":
             kwargs["attempt"] = attempt + 1
+        _requeued(app, config.queue, len(left))
         raise self.retry(kwargs=kwargs, countdown=nxt.countdown, **summary(backend, samples))
     if nxt.action == "failover":
         target = failover_target(siblings, *capacity.of(app, siblings), len(left))
         metrics.record_retry(backend, "failover", to=target)
+        _requeued(app, app.backend_config(target).queue, len(left))
         raise self.retry(
             kwargs=dict(kwargs, backend=target, attempt=1, tried=[*(tried or []), backend]),
             queue=app.backend_config(target).queue,
@@ -395,6 +398,12 @@ def score_chunk(
         ).to_dict()
         done[pos]["error"] += note
     return done
+
+
+def _requeued(app, queue: str, n: int) -> None:
+    """The planner's count of samples waiting in `queue` (see capacity.py)."""
+    if not app.qrq_config.embedded:
+        capacity.count_queued(app.store, queue, n)
 
 
 def summary(backend: str, samples: list) -> dict[str, str]:
