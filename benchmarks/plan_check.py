@@ -66,7 +66,7 @@ def run(name: str, n: int, redis_url: str, cores: int) -> dict:
             mock = stack.enter_context(spawn(MockJudgeSettings(
                 rpm=rpm, tpm=tpm, max_concurrent=64, latency_ms=LATENCY_MS, latency_cv=0.5)))
             backends[backend] = judge_config(mock.url, rpm=rpm, max_concurrent=64,
-                                             concurrency=threads)
+                                             calls=threads)
             if tpm:
                 backends[backend]["limits"]["tpm"] = tpm
         route = "step"

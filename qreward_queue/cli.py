@@ -296,7 +296,7 @@ def status(config_path: str | None, watch: bool, interval: float, as_json: bool)
               help="A worker's /metrics: use the backends' measured mean latency; repeatable.")
 @click.option("--cpu-ms", type=float, default=1.0, show_default=True,
               help="CPU per sample of function backends.")
-@click.option("--call-cpu-ms", type=float, default=11.0, show_default=True,
+@click.option("--call-cpu-ms", type=float, default=3.0, show_default=True,
               help="Worker CPU per HTTP call (qrq's own work around it).")
 @click.option("--workers", "workers", multiple=True, metavar="BACKEND=N",
               help="Worker processes of a backend (default 1 each); repeatable.")

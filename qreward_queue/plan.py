@@ -8,7 +8,8 @@ the smallest of
     rpm             rpm / 60
     tpm             tpm / 60 / tokens per call (prompt after the template + max_tokens)
     concurrency     max_concurrent / latency
-    worker threads  workers x pool concurrency / latency        (threads: waiting on I/O)
+    worker calls    workers x pool calls / latency              (calls in flight per process;
+                                                                for functions its processes)
     CPU             cores / CPU seconds per call                (functions: cores of their pool)
 
 and the step takes calls / rate + one latency, less the calls the bucket's burst admits at
@@ -36,7 +37,7 @@ class Workload:
     response_tokens: float = 512
     latency_s: float = 1.0  # one HTTP backend call
     cpu_s_per_sample: float = 0.001  # function backends
-    cpu_s_per_call: float = 0.011  # qrq's own CPU around one HTTP call (README: 9.6-12.1 ms)
+    cpu_s_per_call: float = 0.003  # qrq's own CPU around one HTTP call (README: 1-5.4 ms)
     workers: dict[str, int] = field(default_factory=dict)  # backend -> worker processes (1)
     cores: int = field(default_factory=lambda: os.cpu_count() or 1)
     measured_latency_s: dict[str, float] = field(default_factory=dict)  # backend -> from metrics
@@ -113,7 +114,9 @@ def backend_rates(backend: Backend, work: Workload) -> tuple[dict[str, float], i
         rates["concurrency"] = limits.max_concurrent / work.latency(backend.name)
     busy_s = (cpu_s_per_call(backend, work) if backend.kind == "function"
               else work.latency(backend.name))
-    rates["worker threads"] = work.workers.get(backend.name, 1) * pool.concurrency / busy_s
+    # calls in flight per worker: its call pool for HTTP backends, its processes for functions
+    per_worker = pool.concurrency if backend.kind == "function" else pool.calls
+    rates["worker calls"] = work.workers.get(backend.name, 1) * per_worker / busy_s
     return rates, tokens
 
 
@@ -172,13 +175,14 @@ def advise(members: list[Backend], plan: Plan, work: Workload, target_s: float) 
                           f"samples/s, {need * p.samples_per_call:.1f} needed")
         reach = min(need, ceiling)
         cores_needed += reach * cpu_s_per_call(b, work)
-        threads = p.rates["worker threads"]
-        if threads < reach:
+        calls = p.rates["worker calls"]
+        knob = "concurrency" if b.kind == "function" else "calls"
+        if calls < reach:
             workers = work.workers.get(b.name, 1)
-            per_worker = threads / workers
+            per_worker = calls / workers
             advice.append(f"{b.name}: run {math.ceil(reach / per_worker)} workers "
-                          f"(now {workers}) or raise [pool] concurrency to "
-                          f"{math.ceil(b.pool.concurrency * reach / threads)}")
+                          f"(now {workers}) or raise [pool] {knob} to "
+                          f"{math.ceil(getattr(b.pool, knob) * reach / calls)}")
     if cores_needed > work.cores:
         advice.append(f"CPU: the workers need {math.ceil(cores_needed)} cores "
                       f"(have {work.cores}): add worker machines")

@@ -27,17 +27,17 @@ def config_with(tmp_path, backends: dict, routes: dict | None = None):
 
 def test_rpm_binds_a_fast_pool_and_the_full_bucket_starts_the_step(tmp_path):
     config, _ = config_with(tmp_path, {"ja": judge_backend(URL, rpm=3000, max_concurrent=64,
-                                                           concurrency=32)})
+                                                           calls=32)})
     plan = plan_route(config, "ja", Workload(1024, latency_s=0.2, workers={"ja": 2}))
     (p,) = plan.backends
     assert p.binding == "rpm" and p.calls_per_s == 50
     # 50 calls leave at once (one second of burst), the rest at 50/s, the last takes 0.2 s
     assert plan.wall_s == pytest.approx((1024 - 50) / 50 + 0.2)
-    assert p.rates["worker threads"] == 2 * 32 / 0.2 and p.rates["concurrency"] == 64 / 0.2
+    assert p.rates["worker calls"] == 2 * 32 / 0.2 and p.rates["concurrency"] == 64 / 0.2
 
 
 def test_tpm_binds_long_samples_and_counts_the_template(tmp_path):
-    backend = judge_backend(URL, rpm=6000, max_concurrent=64, concurrency=32)
+    backend = judge_backend(URL, rpm=6000, max_concurrent=64, calls=32)
     backend["limits"]["tpm"] = 60_000
     config, _ = config_with(tmp_path, {"ja": backend})
     work = Workload(600, prompt_tokens=300, response_tokens=600, latency_s=0.5)
@@ -47,11 +47,11 @@ def test_tpm_binds_long_samples_and_counts_the_template(tmp_path):
     assert p.binding == "tpm" and p.calls_per_s == pytest.approx(1000 / tokens)
 
 
-def test_threads_then_concurrency_bind_as_latency_grows(tmp_path):
+def test_worker_calls_then_concurrency_bind_as_latency_grows(tmp_path):
     config, _ = config_with(tmp_path, {"ja": judge_backend(URL, rpm=6000, max_concurrent=16,
-                                                           concurrency=8)})
+                                                           calls=8)})
     (p,) = plan_route(config, "ja", Workload(100, latency_s=2.0)).backends
-    assert p.binding == "worker threads" and p.calls_per_s == 4
+    assert p.binding == "worker calls" and p.calls_per_s == 4
     (p,) = plan_route(config, "ja", Workload(100, latency_s=2.0, workers={"ja": 4})).backends
     assert p.binding == "concurrency" and p.calls_per_s == 8
 
@@ -59,8 +59,8 @@ def test_threads_then_concurrency_bind_as_latency_grows(tmp_path):
 def test_a_route_splits_by_capacity_and_its_workers_share_the_cpu(tmp_path):
     config, _ = config_with(
         tmp_path,
-        {"a": judge_backend(URL, rpm=1200, concurrency=64),
-         "b": judge_backend(URL, rpm=3600, concurrency=64)},
+        {"a": judge_backend(URL, rpm=1200, calls=64),
+         "b": judge_backend(URL, rpm=3600, calls=64)},
         routes={"both": {"backends": ["a", "b"]}},
     )
     plan = plan_route(config, "both", Workload(800, latency_s=0.1, cores=8))
@@ -80,16 +80,16 @@ def test_a_function_backend_is_bound_by_its_pool_or_the_cores(tmp_path):
                                                               concurrency=2)})
     work = Workload(8192, cpu_s_per_sample=0.002, cores=4)
     (p,) = plan_route(config, "fx", work).backends
-    assert p.calls == 128 and p.binding == "worker threads"
+    assert p.calls == 128 and p.binding == "worker calls"
     assert p.calls_per_s == pytest.approx(2 / (64 * 0.002))
 
 
 def test_advice_names_what_to_change_for_a_target(tmp_path):
     config, _ = config_with(tmp_path, {"ja": judge_backend(URL, rpm=600, max_concurrent=64,
-                                                           concurrency=4)})
+                                                           calls=4)})
     plan = plan_route(config, "ja", Workload(600, latency_s=1.0), target_s=20)
     # 4 threads at 1 s: 4 calls/s; 600 in 20 s needs ~31/s, above the 10/s rpm allows
-    assert plan.backends[0].binding == "worker threads"
+    assert plan.backends[0].binding == "worker calls"
     text = "\n".join(plan.advice)
     assert "ja: rpm caps it at 10.0 samples/s" in text
     assert "ja: run 3 workers (now 1)" in text  # enough threads to reach the rpm cap
@@ -99,7 +99,7 @@ def test_advice_names_what_to_change_for_a_target(tmp_path):
 
 def test_qrq_plan_prints_the_table_and_json(tmp_path):
     _, path = config_with(tmp_path, {"ja": judge_backend(URL, rpm=3000, max_concurrent=64,
-                                                         concurrency=32)})
+                                                         calls=32)})
     env = {**os.environ, "QRQ_CONFIG": str(path)}
 
     def plan(*args: str) -> subprocess.CompletedProcess:
