@@ -230,8 +230,9 @@ def test_lease_of_a_killed_process_lapses_after_its_ttl(redis_url: str) -> None:
             with limiter.acquire(max_wait_s=0):
                 reclaimed_at = time.monotonic()
                 break
-        except LimiterBusy:
-            assert limiter.status()["leases_in_use"] == 1
+        except LimiterBusy:  # held until the ttl: it may lapse between these two calls
+            held = limiter.status()["leases_in_use"]
+            assert held == 1 or time.monotonic() - granted_at >= 1.45, held
             time.sleep(0.02)
     assert 1.4 <= reclaimed_at - granted_at <= 1.8
 
