@@ -28,7 +28,7 @@ from .errors import DeadlineExceeded, RedisUnreachable, ScoringError
 from .liveness import NoWorkerWatch
 from .routing import Chunk, plan
 from .runtime import get_app, redis_problem
-from .samples import Outcome, validate_samples
+from .samples import Outcome, summarize, validate_samples
 from .tasks import TASK_NAME, summary
 
 Priority = Literal["val", "train", "bulk"]
@@ -91,27 +91,15 @@ class RewardBatch:
         return not self._pending
 
     def summary(self) -> dict[str, Any]:
-        """What a trainer logs per step, once every outcome is in (`get()` returned): samples
-        by status and by backend, wall time from submit, retries (extra attempts), cache hits,
-        work resubmitted after a lost worker, and the mean latency of scored samples."""
-        outcomes = [o for o in self._outcomes if o is not None]
-        by_status: dict[str, int] = {}
-        by_backend: dict[str, int] = {}
-        for o in outcomes:
-            by_status[o.status] = by_status.get(o.status, 0) + 1
-            if o.backend:
-                by_backend[o.backend] = by_backend.get(o.backend, 0) + 1
-        scored = [o.latency_ms for o in outcomes if o.status == "ok"]
+        """What a trainer logs per step once every outcome is in (`get()` returned):
+        `samples.summarize` of the outcomes, plus wall time from submit and the tasks
+        resubmitted after a lost worker."""
         end = self._finished or time.monotonic()
         return {
+            **summarize([o for o in self._outcomes if o is not None]),
             "samples": len(self._outcomes),
-            "by_status": by_status,
-            "by_backend": by_backend,
             "wall_s": round(end - self._started, 3),
-            "retries": sum(max(0, (o.attempts or 0) - 1) for o in outcomes),
-            "cache_hits": by_status.get("cached", 0),
             "resubmitted_tasks": self.resubmitted,
-            "mean_latency_ms": round(sum(scored) / len(scored), 1) if scored else None,
         }
 
     def partial(self) -> list[Outcome | None]:

@@ -65,6 +65,26 @@ class Outcome:
         return self.status in ("ok", "cached")
 
 
+def summarize(outcomes: Sequence[Outcome]) -> dict[str, Any]:
+    """What a trainer logs about a step's outcomes: samples by status and by backend, retries
+    (extra attempts), cache hits and the mean latency of scored samples."""
+    by_status: dict[str, int] = {}
+    by_backend: dict[str, int] = {}
+    for o in outcomes:
+        by_status[o.status] = by_status.get(o.status, 0) + 1
+        if o.backend:
+            by_backend[o.backend] = by_backend.get(o.backend, 0) + 1
+    scored = [o.latency_ms for o in outcomes if o.status == "ok"]
+    return {
+        "samples": len(outcomes),
+        "by_status": by_status,
+        "by_backend": by_backend,
+        "retries": sum(max(0, (o.attempts or 0) - 1) for o in outcomes),
+        "cache_hits": by_status.get("cached", 0),
+        "mean_latency_ms": round(sum(scored) / len(scored), 1) if scored else None,
+    }
+
+
 def sample_problem(sample: Any, max_bytes: int = DEFAULT_MAX_SAMPLE_BYTES) -> str | None:
     """Why `sample` cannot be scored, or None when it is fine."""
     if not isinstance(sample, dict):

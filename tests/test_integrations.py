@@ -207,6 +207,11 @@ def test_trl_reward_returns_none_for_unscored_and_logs_statuses(app, conversatio
                           lambda want: want, None)
     assert logged["judge_reward_status"][:2] == ["ok", "error"]
     assert metrics["judge_reward/unscored_frac"] == 0.5
+    # and the step's summary: samples by status, retries
+    statuses = {k.split("/")[1]: v for k, v in metrics.items()
+                if k.split("/")[1] in ("ok", "error", "timeout", "cached")}
+    assert sum(statuses.values()) == 8 and statuses["ok"] == 4, metrics
+    assert metrics["judge_reward/retries"] >= 0
 
 
 # -- slime --------------------------------------------------------------------------------------

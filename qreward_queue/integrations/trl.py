@@ -19,6 +19,7 @@ import os
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from ..samples import summarize
 from .batcher import default_batcher
 from .coerce import make_sample
 from .guard import require_shared_limits
@@ -60,6 +61,10 @@ def qrq_reward(
             log_extra(f"{name}_status", [o.status for o in outcomes])
         if log_metric is not None:
             log_metric(f"{name}/unscored_frac", sum(not o.scored for o in outcomes) / len(outcomes))
+            summary = summarize(outcomes)
+            for status, count in summary["by_status"].items():
+                log_metric(f"{name}/{status}", count)
+            log_metric(f"{name}/retries", summary["retries"])
         return [float(o.score) if o.scored else None for o in outcomes]
 
     reward.__name__ = reward.__qualname__ = name
