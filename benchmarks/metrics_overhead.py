@@ -47,7 +47,7 @@ def one_run(mock_url: str, n: int, metrics_on: bool, redis_url: str, round_: int
     flush_redis(redis_url)
     with tempfile.TemporaryDirectory(prefix="qrq-metrics-bench-") as tmp:
         config_path = write_config(
-            Path(tmp), {BACKEND: judge_config(mock_url, rpm=0, max_concurrent=0, concurrency=32)},
+            Path(tmp), {BACKEND: judge_config(mock_url, rpm=0, max_concurrent=0, calls=32)},
             redis_url=redis_url)
         app = qreward_queue.configure(qreward_queue.load_config(config_path))
         port = free_port()

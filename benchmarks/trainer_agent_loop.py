@@ -171,7 +171,7 @@ def scenario(args) -> tuple[list[Run], list[str]]:
                           latency_ms=LATENCY_MS, latency_cv=LATENCY_CV)) as mock:
         config_path = write_config(Path(tmp), {BACKEND: judge_config(
             mock.url, rpm=SERVER_RPM, max_concurrent=SERVER_CONCURRENT,
-            concurrency=WORKER_THREADS)}, redis_url=args.redis_url, deadline_s=600)
+            calls=WORKER_THREADS)}, redis_url=args.redis_url, deadline_s=600)
         config = qreward_queue.load_config(config_path)
         app = qreward_queue.configure(config)
         log(f"starting {WORKERS} qrq workers x {WORKER_THREADS} threads")

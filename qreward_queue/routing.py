@@ -50,14 +50,19 @@ def chunk_size(backend: Backend, n: int) -> int:
     """Samples per task for `n` samples on `backend`: its `chunk_size` when set, else sized so
     that a chunk is about one round of the worker's calls in flight (`pool.calls`) and at most
     CHUNK_SECONDS of the backend's rate: a task is then short, so a `val` batch never waits
-    long for a worker slot, and the batch still splits over every pool.
+    long for a worker slot, and the batch still splits over every pool. From 16 samples on,
+    never fewer than fill the worker's calls with the `pool.concurrency` chunks it runs at once.
 
     >>> chunk_size(Backend("j", "judge"), 4096), chunk_size(Backend("j", "judge"), 40)
-    (32, 3)
+    (32, 16)
     """
     if backend.chunk_size:
         return backend.chunk_size
-    size = min(MAX_CHUNK, backend.pool.calls, math.ceil(n / CHUNKS_PER_BATCH))
+    # from CHUNKS_PER_BATCH samples on, at least enough to fill the worker's calls with the
+    # chunk tasks it runs at once, so a micro-batch still keeps the backend busy
+    fill = math.ceil(backend.pool.calls / max(1, backend.pool.concurrency))
+    fill = fill if n >= CHUNKS_PER_BATCH else 1
+    size = min(MAX_CHUNK, backend.pool.calls, max(fill, math.ceil(n / CHUNKS_PER_BATCH)))
     if backend.limits.rpm:
         size = min(size, math.ceil(backend.limits.rpm / 60 * CHUNK_SECONDS))
     if backend.kind == "reward_model":  # whole calls per task
