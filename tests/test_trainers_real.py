@@ -178,18 +178,24 @@ def test_verl_reward_loop_worker_awaits_qrq_in_micro_batches(app, tokenizer_dir,
 
 # -- TRL 1.16.0 ---------------------------------------------------------------------------------
 
+def tiny_model(tokenizer_dir):
+    """The test tokenizer and a randomly initialised one-layer Qwen2 (no hub download)."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    return tok, Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=16,
+                                             intermediate_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=1))
+
+
 def test_trl_grpo_trainer_calculates_rewards_with_qrq(app, tokenizer_dir, tmp_path):
     pytest.importorskip("trl")
     from datasets import Dataset
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
     from qreward_queue.integrations.trl import qrq_reward
 
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=16,
-                                         intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1))
+    tok, model = tiny_model(tokenizer_dir)
     data = Dataset.from_dict({"prompt": ["what is 2+2?"] * 2, "solution": ["4", "4"]})
     trainer = GRPOTrainer(
         model=model, processing_class=tok, reward_funcs=[qrq_reward("judge", name="qrq")],
@@ -251,15 +257,11 @@ def test_openrlhf_single_turn_executor_scores_through_qrq_gateway(app, stack_dir
 def test_trl_grpo_trains_one_step_on_qrq_rewards(app, tokenizer_dir, tmp_path):
     pytest.importorskip("trl")
     from datasets import Dataset
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
     from qreward_queue.integrations.trl import qrq_reward
 
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=16,
-                                         intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1))
+    tok, model = tiny_model(tokenizer_dir)
     trainer = GRPOTrainer(
         model=model, processing_class=tok, reward_funcs=[qrq_reward("judge", name="qrq")],
         train_dataset=Dataset.from_dict({"prompt": ["what is 2+2?"] * 4, "solution": ["4"] * 4}),
