@@ -201,3 +201,31 @@ def test_embedded_helpers_do_not_rerun_the_callers_script(tmp_path):
     # Then the script ran once, and the sample was scored
     assert out.stdout.count("SCRIPT-RAN") == 1, out.stdout + out.stderr
     assert "SCORES [3.5]" in out.stdout, out.stdout + out.stderr
+
+
+def _recurse(depth: int) -> int:
+    return _recurse(depth - 1) + 1 if depth else 0
+
+
+def _oscillate(times: int) -> None:
+    """Recurse 300 frames deep and back, `times` times: crosses a 16 KB frame-stack chunk."""
+    for _ in range(times):
+        _recurse(300)
+
+
+def _minor_faults(func, *args) -> int:
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    func(*args)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+def test_helper_loop_keeps_frame_room_so_deep_recursion_does_not_fault():
+    from qreward_queue.backends.function import _with_frame_room
+
+    _oscillate(10)  # warm: imports, caches
+    plain = min(_minor_faults(_oscillate, 2000) for _ in range(3))
+    roomy = min(_minor_faults(_with_frame_room(_oscillate), 2000) for _ in range(3))
+    assert plain >= 2000  # without room: every round trip maps a fresh chunk (CPython 3.11+)
+    assert roomy < plain / 20
