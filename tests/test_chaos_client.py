@@ -84,6 +84,49 @@ def test_a_trickling_reply_ends_at_the_calls_total_time_limit():
     assert elapsed < 2.0 + 1.5, elapsed
 
 
+OK_REPLY = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 8\r\n\r\n{\"x\": 1}"
+
+
+def test_a_kept_alive_connection_the_server_closed_while_idle_is_replaced():
+    server = RawServer(lambda conn: conn.sendall(OK_REPLY))  # then closes, saying nothing
+    url = f"http://127.0.0.1:{server.port}/v1"
+    try:
+        replies = [post_json(judge(url), f"{url}/chat/completions", {"x": 1}) for _ in range(3)]
+    finally:
+        server.close()
+    assert [r.body for r in replies] == [{"x": 1}] * 3
+    assert server.connections == 3
+
+
+def test_a_kept_alive_connection_closed_as_the_request_arrives_is_retried_once_fresh():
+    def answer_one_then_drop_the_next(conn: socket.socket) -> None:
+        conn.sendall(OK_REPLY)
+        conn.recv(65536)  # the second request on this connection: closed unanswered
+
+    server = RawServer(answer_one_then_drop_the_next)
+    url = f"http://127.0.0.1:{server.port}/v1"
+    try:
+        first = post_json(judge(url), f"{url}/chat/completions", {"x": 1})
+        time.sleep(0.2)  # the connection is idle and still open when the second call starts
+        second = post_json(judge(url), f"{url}/chat/completions", {"x": 2})
+    finally:
+        server.close()
+    assert first.body == second.body == {"x": 1}
+    assert server.connections == 2
+
+
+def test_a_fresh_connection_closed_unanswered_is_a_transient_error_not_a_retry():
+    server = RawServer(lambda conn: None)  # reads the request, closes without a word
+    url = f"http://127.0.0.1:{server.port}/v1"
+    try:
+        with pytest.raises(TransientError) as caught:
+            post_json(judge(url), f"{url}/chat/completions", {"x": 1})
+    finally:
+        server.close()
+    assert f"connection to {url}/chat/completions failed: RemoteDisconnected" in str(caught.value)
+    assert server.connections == 1
+
+
 @pytest.mark.parametrize("code", [301, 302, 307, 308])
 def test_a_redirect_is_an_error_naming_where_it_pointed_and_is_not_followed(code):
     elsewhere = RawServer(lambda conn: conn.sendall(b"HTTP/1.1 200 OK\r\n\r\n"))

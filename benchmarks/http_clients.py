@@ -1,0 +1,101 @@
+"""Which HTTP client for the worker's calls: CPU per call against the mock judge, same run.
+
+    python benchmarks/http_clients.py [--n 4000] [--threads 48] [--json]
+
+The mock judge (20 ms mean latency, cv 0.5, no binding limit) runs in its own process; each
+client makes `--n` judge calls from this process and the script prints calls/s and this
+process's CPU per call (user + system), with the ratio to the asyncio + aiohttp client:
+
+  aiohttp          asyncio + aiohttp, Semaphore(64), one event loop (baselines.async_semaphore)
+  urllib3          `--threads` threads sharing one urllib3 PoolManager (qrq's client until now)
+  qrq post_json    `--threads` threads through qreward_queue.backends.http.post_json
+                   (http.client, one keep-alive connection per thread)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import baselines
+from throughput import LATENCY_CV, LATENCY_MS, samples_for
+
+from qreward_queue.backends.http import post_json
+from qreward_queue.config import Backend
+from qreward_queue.mock_judge import MockJudgeSettings, spawn
+
+
+def cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def urllib3_post(threads: int):
+    import urllib3
+
+    pool = urllib3.PoolManager(maxsize=threads, retries=False)
+
+    def post(url: str, payload: dict) -> dict:
+        resp = pool.request("POST", url, body=json.dumps(payload).encode(),
+                            headers={"Content-Type": "application/json"}, redirect=False)
+        return json.loads(resp.data)
+
+    return post
+
+
+def measure(name: str, n: int, run) -> dict:
+    before, started = cpu_s(), time.perf_counter()
+    run()
+    wall, cpu = time.perf_counter() - started, cpu_s() - before
+    return {"client": name, "n": n, "per_s": n / wall, "cpu_ms_per_call": 1000 * cpu / n}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--n", type=int, default=4000)
+    parser.add_argument("--threads", type=int, default=48)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    settings = MockJudgeSettings(latency_ms=LATENCY_MS, latency_cv=LATENCY_CV)
+    with spawn(settings) as judge:
+        backend = Backend(name="judge", kind="judge", url=judge.url + "/v1", model="mock",
+                          timeout_s=10)
+        backend = replace(backend, pool=replace(backend.pool, calls=args.threads))
+        request = baselines._Request(backend)
+        payloads = [request.payload(s) for s in samples_for(args.n)]
+
+        def threaded(post) -> None:
+            with ThreadPoolExecutor(args.threads) as pool:
+                list(pool.map(lambda p: post(request.endpoint, p), payloads))
+
+        baselines.async_semaphore(backend, samples_for(200), 64)  # warm: imports, connections
+        rows = [
+            measure("aiohttp", args.n,
+                    lambda: baselines.async_semaphore(backend, samples_for(args.n), 64)),
+            measure("urllib3", args.n, lambda: threaded(urllib3_post(args.threads))),
+            measure("qrq post_json", args.n,
+                    lambda: threaded(lambda url, p: post_json(backend, url, p).body)),
+        ]
+    print(f"== {args.n} judge calls, mock judge {LATENCY_MS:g} ms (cv {LATENCY_CV}); "
+          f"threads: {args.threads}")
+    print(f"{'client':<15}{'calls/s':>9}{'cpu ms/call':>13}{'x aiohttp cpu':>15}")
+    for row in rows:
+        row["cpu_vs_aiohttp"] = row["cpu_ms_per_call"] / rows[0]["cpu_ms_per_call"]
+        print(f"{row['client']:<15}{row['per_s']:>9.0f}{row['cpu_ms_per_call']:>13.3f}"
+              f"{row['cpu_vs_aiohttp']:>15.2f}")
+    if args.json:
+        for row in rows:
+            print(json.dumps({k: round(v, 4) if isinstance(v, float) else v
+                              for k, v in row.items()}))
+
+
+if __name__ == "__main__":
+    main()
