@@ -84,7 +84,8 @@ def test_a_trickling_reply_ends_at_the_calls_total_time_limit():
     assert elapsed < 2.0 + 1.5, elapsed
 
 
-OK_REPLY = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 8\r\n\r\n{\"x\": 1}"
+OK_REPLY = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 8\r\n\r\n"
+            b'{"x": 1}')
 
 
 def test_a_kept_alive_connection_the_server_closed_while_idle_is_replaced():
