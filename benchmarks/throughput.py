@@ -32,6 +32,7 @@ import baselines
 from common import REDIS_URL, QrqWorker, flush_redis, percentile, write_config
 
 import qreward_queue
+from qreward_queue.client import POLL_INTERVAL_S
 from qreward_queue.demo import grpo_batch
 from qreward_queue.mock_judge import MockJudgeSettings, spawn, verdict
 
@@ -80,12 +81,14 @@ def run_qrq(app, workers, samples, want) -> dict:
     batch = qreward_queue.submit_batch(samples, route="judge", app=app)
     submitted = time.perf_counter()
     arrived: list[float | None] = [None] * len(samples)
-    while not batch.done():
-        now = time.perf_counter()
-        for i, o in enumerate(batch.partial()):
-            if o is not None and arrived[i] is None:
+    waiting = list(range(len(samples)))
+    while not batch.done():  # polls as often as outcomes() does; looks only at what is missing
+        now, so_far = time.perf_counter(), batch.partial()
+        for i in waiting:
+            if so_far[i] is not None:
                 arrived[i] = now
-        time.sleep(0.005)
+        waiting = [i for i in waiting if arrived[i] is None]
+        time.sleep(POLL_INTERVAL_S)
     outcomes = batch.outcomes()
     wall = time.perf_counter() - started
     now = time.perf_counter()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from .errors import InvalidSamples, ScoringError
@@ -41,7 +41,7 @@ class Outcome:
         self.error, self.detail = redact(self.error), redact(self.detail)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return dict(vars(self))  # the fields are JSON values already: no deep copy (asdict's)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Outcome:
