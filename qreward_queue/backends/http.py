@@ -2,10 +2,10 @@
 
 Keep-alive sockets, one per calling thread and server: a worker's calls run on a fixed set of
 threads (its call pool), each making one call at a time, so a socket per thread is a pool with
-no locking. A request goes out in one write (head and body together); the standard library's
-`http.client.HTTPResponse` reads the reply. Measured against the mock judge from 48 threads
-(`python benchmarks/http_clients.py`), this costs about as much CPU per call as asyncio +
-aiohttp, and a third less than urllib3's PoolManager (qrq's client before). No environment or
+no locking. A request goes out in one write (head and body together); httptools (llhttp, the
+C parser of Node.js and uvicorn) reads the reply. Measured against the mock judge from 48
+threads (`python benchmarks/http_clients.py`), this costs less CPU per call than asyncio +
+aiohttp and half of what urllib3's PoolManager (qrq's client before) costs. No environment or
 proxy lookups, no retries of its own (qrq's retry policy decides; only a kept-alive socket the
 server had closed is replaced and the request sent again), no redirects (a 3xx is an error
 naming where it pointed: prompts are never re-sent elsewhere). Every call ends by `timeout_s`
@@ -14,7 +14,6 @@ in total, however slowly the server trickles its reply.
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import socket
@@ -25,6 +24,8 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 from urllib.parse import urlsplit
+
+import httptools
 
 from ..config import Backend, redact_url
 from ..errors import PermanentError, RateLimited, TransientError
@@ -115,8 +116,8 @@ def post_json(config: Backend, url: str, payload: dict) -> Reply:
     while True:
         sock, reused = _take_socket(server, config.timeout_s, where)
         try:
-            resp, raw = _exchange(sock, request, deadline)
-        except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as exc:
+            resp = _exchange(sock, request, deadline)
+        except (_Unanswered, ConnectionResetError, BrokenPipeError) as exc:
             sock.close()
             if reused:  # the server had closed it while it was idle: once more, on a new one
                 continue
@@ -126,18 +127,18 @@ def post_json(config: Backend, url: str, payload: dict) -> Reply:
             raise TransientError(
                 f"no reply from {where} within {config.timeout_s:g} s", timed_out=True
             ) from None
-        except (http.client.HTTPException, OSError) as exc:
+        except (httptools.HttpParserError, _Incomplete, OSError) as exc:
             sock.close()
             raise TransientError(f"connection to {where} failed: {_reason(exc)}") from None
         except BaseException:
             sock.close()
             raise
-        if resp.will_close or len(raw) > MAX_REPLY_BYTES:
+        if not resp.keep_alive:
             sock.close()
         else:
             _local.__dict__.setdefault("sockets", {})[server] = sock
         break
-    reply_headers = {k.lower(): v for k, v in resp.getheaders()}
+    raw, reply_headers = resp.body, resp.headers
     facts = {"status_code": resp.status, "headers": reply_headers}
     text = raw[:500].decode("utf-8", "replace")
     if resp.status == 429:
@@ -156,7 +157,7 @@ def post_json(config: Backend, url: str, payload: dict) -> Reply:
         )
     if resp.status >= 400:
         raise PermanentError(f"request rejected with {resp.status}", text, **facts)
-    if len(raw) > MAX_REPLY_BYTES:
+    if resp.size > MAX_REPLY_BYTES:
         raise PermanentError(f"reply larger than {MAX_REPLY_BYTES} bytes", **facts)
     try:
         body = json.loads(raw)
@@ -165,39 +166,72 @@ def post_json(config: Backend, url: str, payload: dict) -> Reply:
     return Reply(resp.status, reply_headers, body)
 
 
-def _exchange(sock: socket.socket, request: bytes,
-              deadline: float) -> tuple[http.client.HTTPResponse, bytes]:
-    """Send `request` in one write; read the reply's status, headers and body by `deadline`."""
+class _Unanswered(ConnectionError):
+    """The server closed the connection before the first byte of a reply."""
+
+
+class _Incomplete(ConnectionError):
+    """The server closed the connection in the middle of a reply."""
+
+
+class _Response:
+    """One reply, as httptools' callbacks hand it over."""
+
+    def __init__(self) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.headers_done = self.complete = self.keep_alive = False
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(self.parts)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:  # llhttp forgets these once the message is complete
+        self.headers_done = True
+        self.status = self.parser.get_status_code()
+        self.keep_alive = self.parser.should_keep_alive()
+
+    def on_body(self, body: bytes) -> None:
+        if self.size <= MAX_REPLY_BYTES:  # beyond it only the size matters
+            self.parts.append(body)
+        self.size += len(body)
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+
+
+def _exchange(sock: socket.socket, request: bytes, deadline: float) -> _Response:
+    """Send `request` in one write; read the whole reply by `deadline`, however it trickles.
+    A reply over MAX_REPLY_BYTES is read no further (and its socket not kept)."""
     sock.settimeout(max(0.001, deadline - time.monotonic()))
     sock.sendall(request)
-    resp = http.client.HTTPResponse(sock, method="POST")
-    try:
-        resp.begin()
-        return resp, _read_until(sock, resp, deadline)
-    finally:
-        resp.close()  # the reply's reader, not the socket
-
-
-def _read_until(sock: socket.socket, resp: http.client.HTTPResponse, deadline: float) -> bytes:
-    """The body, at most MAX_REPLY_BYTES + 1 bytes, read piece by piece so that a server
-    trickling its reply cannot hold the call past `deadline`."""
-    parts, size = [], 0
-    while size <= MAX_REPLY_BYTES:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError
-        if parts:  # a reply in several pieces: each read waits only for the time left
+    resp, received = _Response(), 0
+    while not resp.complete and resp.size <= MAX_REPLY_BYTES:
+        if received:  # a reply in several pieces: each read waits only for the time left
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
             sock.settimeout(left)
-        piece = resp.read1(MAX_REPLY_BYTES + 1 - size)
-        if not piece:
-            if resp.length:  # the server closed before the Content-Length it announced
-                raise http.client.IncompleteRead(b"".join(parts), resp.length)
-            break
-        parts.append(piece)
-        size += len(piece)
-    return b"".join(parts)
+        data = sock.recv(65536)
+        if not data:
+            if not received:
+                raise _Unanswered("RemoteDisconnected")
+            if resp.headers_done and "content-length" not in resp.headers \
+                    and "transfer-encoding" not in resp.headers:
+                break  # a body that ends where the connection does
+            raise _Incomplete("IncompleteRead")
+        received += len(data)
+        resp.parser.feed_data(data)
+    resp.keep_alive = resp.keep_alive and resp.complete
+    return resp
 
 
 def _reason(exc: BaseException) -> str:
     """The error's class (ConnectionRefusedError...), never the URL again."""
-    return type(exc).__name__
+    return str(exc) if isinstance(exc, (_Unanswered, _Incomplete)) else type(exc).__name__
