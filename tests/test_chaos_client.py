@@ -88,31 +88,29 @@ OK_REPLY = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Lengt
             b'{"x": 1}')
 
 
+def calls_to(server: RawServer, n: int) -> int:
+    """Make `n` calls to `server` from this thread, check each reply; the connections used."""
+    url = f"http://127.0.0.1:{server.port}/v1"
+    try:
+        replies = [post_json(judge(url), f"{url}/chat/completions", {"x": 1}) for _ in range(n)]
+    finally:
+        server.close()
+    assert [r.body for r in replies] == [{"x": 1}] * n
+    return server.connections
+
+
 def test_calls_from_one_thread_share_one_kept_alive_connection():
     def answer_every_request(conn: socket.socket) -> None:
         conn.sendall(OK_REPLY)
         while conn.recv(65536):
             conn.sendall(OK_REPLY)
 
-    server = RawServer(answer_every_request)
-    url = f"http://127.0.0.1:{server.port}/v1"
-    try:
-        replies = [post_json(judge(url), f"{url}/chat/completions", {"x": 1}) for _ in range(5)]
-    finally:
-        server.close()
-    assert [r.body for r in replies] == [{"x": 1}] * 5
-    assert server.connections == 1
+    assert calls_to(RawServer(answer_every_request), 5) == 1  # connection for 5 calls
 
 
 def test_a_kept_alive_connection_the_server_closed_while_idle_is_replaced():
     server = RawServer(lambda conn: conn.sendall(OK_REPLY))  # then closes, saying nothing
-    url = f"http://127.0.0.1:{server.port}/v1"
-    try:
-        replies = [post_json(judge(url), f"{url}/chat/completions", {"x": 1}) for _ in range(3)]
-    finally:
-        server.close()
-    assert [r.body for r in replies] == [{"x": 1}] * 3
-    assert server.connections == 3
+    assert calls_to(server, 3) == 3
 
 
 def test_a_kept_alive_connection_closed_as_the_request_arrives_is_retried_once_fresh():
