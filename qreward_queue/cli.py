@@ -204,6 +204,8 @@ def read_jsonl(lines_in) -> tuple[list, list[int], dict[int, str]]:
 @click.option("--loglevel", default="INFO", show_default=True)
 @click.option("--metrics-port", type=int, envvar="QRQ_METRICS_PORT",
               help="Serve Prometheus metrics of this worker (all pool processes) on this port.")
+@click.option("--events", is_flag=True,
+              help="Send task events from the start (Flower turns them on by itself).")
 def worker(
     backend_file: str,
     config_path: str | None,
@@ -211,6 +213,7 @@ def worker(
     hostname: str | None,
     loglevel: str,
     metrics_port: int | None,
+    events: bool,
 ) -> None:
     """Run a Celery worker for one backend: its queue, pool and rate limit from BACKEND_FILE."""
     from celery.signals import after_setup_logger, after_setup_task_logger
@@ -247,7 +250,7 @@ def worker(
         hostname or f"{backend.name}@%h",
         "--loglevel",
         loglevel,
-        "-E",
+        *(["-E"] if events else []),
     ]
     if backend.pool.type == "prefork":
         argv += ["--max-tasks-per-child", str(backend.pool.max_tasks_per_child)]
