@@ -13,13 +13,14 @@ score_chunk -> ChunkRunner: the chunk's calls run concurrently on the process's 
 from __future__ import annotations
 
 import os
+import queue
 import random
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, partial
 from typing import Literal
 
 from . import capacity, metrics
@@ -56,12 +57,23 @@ def _client(config: Backend) -> BackendClient:
 
 class CallPool:
     """The calls in flight to one backend from this process, shared by all its running tasks:
-    `slots` bounds them (a slot is taken before a grant is booked, so no lease waits idle)."""
+    `slots` bounds them (a slot is taken before a grant is booked, so no lease waits idle), and
+    as many threads run them, fed by a queue (lighter than an executor's future per call)."""
 
     def __init__(self, size: int):
         self.slots = threading.BoundedSemaphore(size)
-        self.executor = ThreadPoolExecutor(size, thread_name_prefix="qrq-call")
         self.released = threading.Event()  # a call ended: its lease is free, poll again now
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        for k in range(size):
+            threading.Thread(target=self._serve, name=f"qrq-call-{k}", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            self._jobs.get()()
+
+    def run(self, job: Callable[[], None]) -> None:
+        """Run `job` on one of the pool's threads (it must not raise: see `InFlight.track`)."""
+        self._jobs.put(job)
 
     def take(self, wanted: int) -> int:
         """Block for one slot, then take up to `wanted` in all without waiting."""
@@ -75,6 +87,41 @@ class CallPool:
         for _ in range(count):
             self.slots.release()
         self.released.set()
+
+
+class InFlight:
+    """The calls one chunk has running on the call pool: wait for all of them, by a deadline,
+    and see the first bug one of them hit (rather than let it vanish in a pool thread)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = 0
+        self._idle = threading.Event()
+        self._idle.set()
+        self.error: BaseException | None = None
+
+    def track(self, call: Callable[[], None]) -> Callable[[], None]:
+        with self._lock:
+            self._count += 1
+            self._idle.clear()
+
+        def job() -> None:
+            try:
+                call()
+            except BaseException as exc:  # re-raised in the chunk's own thread by `wait`
+                self.error = self.error or exc
+            finally:
+                with self._lock:
+                    self._count -= 1
+                    if not self._count:
+                        self._idle.set()
+
+        return job
+
+    def wait(self, timeout: float | None) -> None:
+        self._idle.wait(timeout)
+        if self.error is not None:
+            raise self.error
 
 
 _pools: dict[str, CallPool] = {}
@@ -134,7 +181,7 @@ class ChunkRunner:
             self._run_call(samples, calls[0], None)
             return self
         pool = call_pool(self.config)
-        running: list[Future] = []
+        running = InFlight()
         while calls and self.busy_s is None and not self._past_deadline():
             slots = pool.take(len(calls))
             tokens = max(self.client.estimate_tokens([samples[i] for i in calls[k]])
@@ -147,14 +194,13 @@ class ChunkRunner:
                 break
             pool.give(slots - len(grants))
             for grant in grants:
-                running.append(
-                    pool.executor.submit(self._slot, pool, samples, calls.popleft(), grant)
-                )
-        finished, _ = wait(running, timeout=time_left_s(self.deadline))
-        if self.limiter is not None:
-            self.limiter.flush()  # finishes held back to be sent together go now
-        for future in finished:  # calls still running past that are left to `decide`
-            future.result()  # a bug in a call surfaces here rather than vanishing
+                call = partial(self._slot, pool, samples, calls.popleft(), grant)
+                pool.run(running.track(call))
+        try:  # calls still running past the deadline are left to `decide`
+            running.wait(timeout=time_left_s(self.deadline))
+        finally:
+            if self.limiter is not None:
+                self.limiter.flush()  # finishes held back to be sent together go now
         return self
 
     def _grants(self, count: int, tokens: float, wake: threading.Event) -> list[Grant | None]:

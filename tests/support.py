@@ -91,6 +91,7 @@ class Worker:
         name: str | None = None,
         timeout_s=30.0,
         extra_env: dict[str, str] | None = None,
+        extra_args: tuple[str, ...] = (),
     ):
         self.log = config.parent / f"worker-{name or backend}-{time.monotonic_ns()}.log"
         env = {**os.environ, "QRQ_CONFIG": str(config), **(extra_env or {})}
@@ -103,6 +104,7 @@ class Worker:
             str(config.parent / "workers" / f"{backend}.toml"),
             "--loglevel",
             "INFO",
+            *extra_args,
         ]
         if name:
             cmd += ["-n", name]

@@ -222,10 +222,10 @@ def test_api_key_never_reaches_redis_or_logs(tmp_path, redis_url, judge, monkeyp
         snapshots = redis_contents(client)
         queued = [text for _, value in snapshots for text in with_message_bodies(value)]
         with (
-            Worker(config_path, "ka", extra_env=worker_env) as worker_a,
-            Worker(config_path, "kb", extra_env=worker_env) as worker_b,
+            Worker(config_path, "ka", extra_env=worker_env, extra_args=("--events",)) as worker_a,
+            Worker(config_path, "kb", extra_env=worker_env, extra_args=("--events",)) as worker_b,
         ):
-            # and scored by workers that hold the key
+            # and scored by workers that hold the key (and send task events, as with Flower)
 
             def dump_until_done() -> bool:
                 snapshots.extend(redis_contents(client))
