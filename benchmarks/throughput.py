@@ -1,6 +1,7 @@
 """Throughput against a fast judge: is the queue ever the bottleneck?
 
-    python benchmarks/throughput.py [--n 4096 8192] [--workers 2] [--json] [--redis-url URL]
+    python benchmarks/throughput.py [--n 4096 8192] [--repeat 3] [--workers 2] [--json]
+                                    [--redis-url URL]
 
 The mock judge has no binding limit (no rpm, no concurrency cap), 20 ms mean latency (lognormal,
 cv 0.5). For each batch size, in the same run:
@@ -8,6 +9,11 @@ cv 0.5). For each batch size, in the same run:
   async_semaphore  asyncio + aiohttp, Semaphore(64), one process (baselines.async_semaphore)
   qrq              `submit_batch` through Redis to `--workers` real `qrq worker` processes,
                    pooled as the README advises for a backend with no binding limit
+
+The workers are warmed with one batch of 2,048 samples first (their call threads and
+keep-alive connections exist from then on, as after a training run's first step). Each batch
+size runs `--repeat` times, the two clients alternating, because this 2-core VM's speed drifts
+by +-20% within a minute; the targets use the median ratio per batch size.
 
 Printed per client: samples/s, the ratio to the asyncio client, CPU per 1,000 samples (the
 client process for asyncio; the worker processes for qrq, and the qrq client separately),
@@ -107,6 +113,7 @@ def run_qrq(app, workers, samples, want) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--n", type=int, nargs="+", default=[4096, 8192])
+    parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--redis-url", default=os.environ.get("QRQ_BENCH_REDIS_URL", REDIS_URL))
@@ -126,15 +133,16 @@ def main(argv: list[str] | None = None) -> None:
         backend = app.backend_config("judge")
         workers = [QrqWorker(config_path, "judge", f"w{i}", app) for i in range(args.workers)]
         try:
-            run_qrq(app, workers, samples_for(256), expected(backend, samples_for(256)))  # warm
+            run_qrq(app, workers, samples_for(2048), expected(backend, samples_for(2048)))  # warm
             for n in args.n:
                 samples = samples_for(n)
                 want = expected(backend, samples)
-                base = run_async(backend, samples, want)
-                mine = run_qrq(app, workers, samples, want)
-                for row in (base, mine):
-                    row["ratio_vs_async"] = row["per_s"] / base["per_s"]
-                rows += [base, mine]
+                for _ in range(args.repeat):
+                    base = run_async(backend, samples, want)
+                    mine = run_qrq(app, workers, samples, want)
+                    for row in (base, mine):
+                        row["ratio_vs_async"] = row["per_s"] / base["per_s"]
+                    rows += [base, mine]
         finally:
             for w in workers:
                 w.stop()
@@ -148,15 +156,18 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['ratio_vs_async']:>8.2f}{r['client_cpu_ms_per_1000'] / 1000:>10.2f}s"
               f"{_f(r['worker_cpu_ms_per_request'], '.2f'):>11}ms{_f(r['submit_s'], '.3f'):>9}"
               f"{r['p50_ms']:>8.0f}{r['p99_ms']:>8.0f}{r['wrong']:>6}")
-    print("\n== targets")
-    for r in (r for r in rows if r["client"] == "qrq"):
-        n = r["n"]
+    print("\n== targets (median run of each batch size, by ratio to the asyncio client)")
+    for n in args.n:
+        runs = sorted((r for r in rows if r["client"] == "qrq" and r["n"] == n),
+                      key=lambda r: r["ratio_vs_async"])
+        r = runs[len(runs) // 2]
         checks = [(f"n={n}: qrq >= 1000 samples/s", r["per_s"] >= 1000, f"{r['per_s']:.0f}/s"),
                   (f"n={n}: qrq >= 0.8x asyncio", r["ratio_vs_async"] >= 0.8,
                    f"{r['ratio_vs_async']:.2f}x"),
                   (f"n={n}: worker CPU <= 1.5 ms/request", r["worker_cpu_ms_per_request"] <= 1.5,
                    f"{r['worker_cpu_ms_per_request']:.2f} ms"),
-                  (f"n={n}: 0 wrong", r["wrong"] == 0, str(r["wrong"]))]
+                  (f"n={n}: 0 wrong in every run", not any(x["wrong"] for x in runs),
+                   str(sum(x["wrong"] for x in runs)))]
         if n >= 8192:
             checks.append((f"n={n}: submit_batch < 0.5 s", r["submit_s"] < 0.5,
                            f"{r['submit_s']:.3f} s"))
