@@ -142,6 +142,21 @@ def test_a_fresh_connection_closed_unanswered_is_a_transient_error_not_a_retry()
     assert server.connections == 1
 
 
+def test_an_api_key_with_a_line_break_is_refused_before_anything_is_sent(monkeypatch):
+    server = RawServer(lambda conn: conn.sendall(OK_REPLY))
+    url = f"http://127.0.0.1:{server.port}/v1"
+    monkeypatch.setenv("QRQ_TEST_INJECTED_KEY", "sk-1\r\nX-Evil: 1")
+    backend = Backend(name="keyed", kind="judge", url=url, model="m", timeout_s=2,
+                      api_key_env="QRQ_TEST_INJECTED_KEY")
+    try:
+        with pytest.raises(PermanentError) as caught:
+            post_json(backend, f"{url}/chat/completions", {"x": 1})
+    finally:
+        server.close()
+    assert "QRQ_TEST_INJECTED_KEY" in str(caught.value) and "line break" in str(caught.value)
+    assert "sk-1" not in str(caught.value) and server.connections == 0
+
+
 @pytest.mark.parametrize("code", [301, 302, 307, 308])
 def test_a_redirect_is_an_error_naming_where_it_pointed_and_is_not_followed(code):
     elsewhere = RawServer(lambda conn: conn.sendall(b"HTTP/1.1 200 OK\r\n\r\n"))
