@@ -59,6 +59,7 @@ class _Server:
     host: str
     port: int
     head: str  # the request line and the fixed headers
+    where: str  # the URL as messages name it: without credentials
 
 
 @cache
@@ -71,7 +72,7 @@ def _server(url: str) -> _Server:
     name = f"[{host}]" if ":" in host else host
     head = (f"POST {target} HTTP/1.1\r\nHost: {name}{f':{parts.port}' if parts.port else ''}"
             "\r\nContent-Type: application/json\r\nAccept-Encoding: identity\r\n")
-    return _Server(tls, host, port, head)
+    return _Server(tls, host, port, head, redact_url(url))
 
 
 @cache
@@ -79,9 +80,18 @@ def _tls() -> ssl.SSLContext:
     return ssl.create_default_context()
 
 
-def _take_socket(server: _Server, timeout_s: float, where: str) -> tuple[socket.socket, bool]:
+def _kept() -> dict[_Server, socket.socket]:
+    """This thread's kept-alive sockets, by server."""
+    return _local.__dict__.setdefault("sockets", {})
+
+
+def _failed(server: _Server, exc: BaseException) -> TransientError:
+    return TransientError(f"connection to {server.where} failed: {_reason(exc)}")
+
+
+def _take_socket(server: _Server, timeout_s: float) -> tuple[socket.socket, bool]:
     """This thread's kept-alive socket to `server` (True), or a new connection (False)."""
-    kept = _local.__dict__.setdefault("sockets", {}).pop(server, None)
+    kept = _kept().pop(server, None)
     if kept is not None:
         return kept, True
     try:
@@ -91,13 +101,14 @@ def _take_socket(server: _Server, timeout_s: float, where: str) -> tuple[socket.
         if server.tls:
             sock = _tls().wrap_socket(sock, server_hostname=server.host)
     except OSError as exc:  # refused, unreachable, unknown host, no handshake, TLS...
-        raise TransientError(f"connection to {where} failed: {_reason(exc)}") from None
+        raise _failed(server, exc) from None
     return sock, False
 
 
 def post_json(config: Backend, url: str, payload: dict) -> Reply:
     """POST `payload`; return the decoded 200 reply or raise the error its status means."""
-    server, where = _server(url), redact_url(url)
+    server = _server(url)
+    where = server.where
     extra = ""
     if config.api_key_env:
         key = config.api_key()
@@ -114,14 +125,14 @@ def post_json(config: Backend, url: str, payload: dict) -> Reply:
     request = f"{server.head}{extra}Content-Length: {len(body)}\r\n\r\n".encode() + body
     deadline = time.monotonic() + config.timeout_s
     while True:
-        sock, reused = _take_socket(server, config.timeout_s, where)
+        sock, reused = _take_socket(server, config.timeout_s)
         try:
             resp = _exchange(sock, request, deadline)
         except (_Unanswered, ConnectionResetError, BrokenPipeError) as exc:
             sock.close()
             if reused:  # the server had closed it while it was idle: once more, on a new one
                 continue
-            raise TransientError(f"connection to {where} failed: {_reason(exc)}") from None
+            raise _failed(server, exc) from None
         except TimeoutError:
             sock.close()
             raise TransientError(
@@ -129,14 +140,14 @@ def post_json(config: Backend, url: str, payload: dict) -> Reply:
             ) from None
         except (httptools.HttpParserError, _Incomplete, OSError) as exc:
             sock.close()
-            raise TransientError(f"connection to {where} failed: {_reason(exc)}") from None
+            raise _failed(server, exc) from None
         except BaseException:
             sock.close()
             raise
         if not resp.keep_alive:
             sock.close()
         else:
-            _local.__dict__.setdefault("sockets", {})[server] = sock
+            _kept()[server] = sock
         break
     raw, reply_headers = resp.body, resp.headers
     facts = {"status_code": resp.status, "headers": reply_headers}
