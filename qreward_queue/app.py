@@ -131,6 +131,8 @@ def celery_settings(config: Config) -> dict:
         "worker_soft_shutdown_timeout": 20.0,
         "worker_enable_soft_shutdown_on_idle": True,
         "task_default_queue": "qrq.default",
+        # malformed messages (body or headers) are rejected and kept, never kill the worker
+        "worker_consumer": "qreward_queue.dead_letter:CheckedConsumer",
     }
     if config.embedded:
         settings.update(

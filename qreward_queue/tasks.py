@@ -470,6 +470,5 @@ def register(app) -> None:
         name=TASK_NAME,
         max_retries=MAX_TASK_RETRIES,
         default_retry_delay=2,
-        Strategy="qreward_queue.dead_letter:checked_strategy",  # malformed bodies: dead letters
         resultrepr_maxsize=RESULT_REPR_CHARS,
     )(score_chunk)

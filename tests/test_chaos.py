@@ -128,15 +128,21 @@ def test_workers_survive_three_redis_restarts_mid_batch(tmp_path, stack):
 POISON_BODIES = ["str", {"a": 1}, [[], {}], None]
 
 
+def judge_and_worker(tmp_path, redis_url, stack, name: str):
+    """A fast mock judge, its backend `j` and one worker `name` on its queue."""
+    judge = stack.enter_context(spawn(MockJudgeSettings(latency_ms=5)))
+    config_path = write_config(tmp_path, {"j": judge_backend(judge.url)}, redis_url=redis_url)
+    app = qreward_queue.configure(qreward_queue.load_config(config_path))
+    (worker,) = start_workers(config_path, [("j", name)])
+    stack.callback(worker.kill)
+    return config_path, app, worker
+
+
 def test_malformed_task_messages_are_dead_lettered_and_the_worker_keeps_consuming(
     tmp_path, redis_url, redis_client, stack
 ):
     # Given one worker on a judge's queue
-    judge = stack.enter_context(spawn(MockJudgeSettings(latency_ms=5)))
-    config_path = write_config(tmp_path, {"j": judge_backend(judge.url)}, redis_url=redis_url)
-    app = qreward_queue.configure(qreward_queue.load_config(config_path))
-    (worker,) = start_workers(config_path, [("j", "poison@chaos")])
-    stack.callback(worker.kill)
+    config_path, app, worker = judge_and_worker(tmp_path, redis_url, stack, "poison@chaos")
     # When task messages with valid JSON bodies of the wrong shape arrive, published as any
     # kombu client could, with the headers of a real qrq task
     with app.connection_for_write() as conn:
@@ -383,3 +389,74 @@ def test_rate_limit_headers_of_a_hostile_backend_cannot_stop_it(tmp_path, redis_
     # and what was bounded shows in `qrq status` for a while
     bounded = app.limiter("j").status()["bounded"]
     assert bounded and "x-ratelimit-reset-requests" in bounded, bounded
+
+
+WRONG_HEADERS = {  # every header Celery's worker reads before the task runs -> wrong values
+    "id": [5, None, [], {"a": 1}],
+    "task": [5, None, [], {"a": 1}],
+    "timelimit": [[1, 2, 3], 5, "abc", [None], ["x", 1], [-1, 1], {"a": 1}, [True, 1]],
+    "eta": ["abc", 5, [1], {"a": 1}, "9999-99-99T00:00:00", ""],
+    "expires": ["abc", 5, [1], {"a": 1}, "2026-13-01T00:00:00", ""],
+    "retries": ["abc", -1, 1.5, None, [], True],
+    **{name: [5, [], {"a": 1}, True] for name in (
+        "lang", "shadow", "root_id", "parent_id", "group", "argsrepr", "kwargsrepr", "origin")},
+    "ignore_result": ["yes", 5, []],
+    "stamped_headers": [5, "abc", [[1]], {"a": 1}],
+    "stamps": [5, "abc", [1]],
+    "replaced_task_nesting": ["x", -1, None],
+    "groups": [5, "x", [1]],
+    "group_index": ["x", -1, []],
+}
+
+
+def test_every_header_celery_reads_is_checked_and_a_wrong_one_is_dead_lettered(
+    tmp_path, redis_url, redis_client, stack
+):
+    # Given one worker on a judge's queue, and the headers and body of a real qrq task
+    _, app, worker = judge_and_worker(tmp_path, redis_url, stack, "headers@chaos")
+    body = [[], {"backend": "j", "samples": samples_for(1, "bad-header"), "route": ["j"],
+                 "deadline": time.time() + 600}, None]
+    good = app.amqp.as_task_v2("x", "qrq.score_chunk", countdown=1, expires=600,
+                               timelimit=(30, 20)).headers
+    sent = 0
+    for name, values in WRONG_HEADERS.items():
+        # When, for each header, messages carrying each wrong value arrive (the rest valid)
+        with app.connection_for_write() as conn:
+            producer = conn.Producer(serializer="json")
+            for k, value in enumerate(values):
+                headers = {**good, "id": f"bad-{name}-{k}", "case": [name, k], name: value}
+                producer.publish(body, routing_key="qrq.j", priority=0, headers=headers)
+                sent += 1
+        # Then each is dead-lettered and the same worker is alive and scoring right after
+        wait_for(lambda n=sent: redis_client.llen("qrq:dead-letters") >= n, 20,
+                 f"the messages with a wrong {name!r} header to be rejected")
+        samples = samples_for(2, f"after-{name}")
+        outcomes = qreward_queue.submit_batch(samples, route="j", app=app, priority="val",
+                                              deadline_s=30).outcomes()
+        assert worker.proc.poll() is None, (name, worker.log.read_text()[-3000:])
+        assert_all_right(app, "j", samples, outcomes)
+    from qreward_queue import dead_letter
+
+    letters = dead_letter.read(redis_client, limit=sent + 1)
+    assert len(letters) == sent, [d["reason"] for d in letters]
+    for letter in letters:  # each kept once, with a reason naming the wrong header
+        name, k = letter["headers"]["case"]
+        assert letter["headers"][name] == WRONG_HEADERS[name][k], letter
+        assert "malformed task message" in letter["reason"] and name in letter["reason"], letter
+    assert "Unrecoverable error" not in worker.log.read_text()
+
+
+def test_the_headers_celery_itself_sends_pass_the_checks():
+    # what a qrq client sends, and what a retry with a countdown (an eta) or limits carries
+    from celery import Celery
+
+    from qreward_queue.dead_letter import header_problem
+
+    amqp = Celery(set_as_current=False).amqp
+    sent = [amqp.as_task_v2("t1", "qrq.score_chunk", kwargs={"x": 1}, expires=30.5,
+                            argsrepr="('j', <1 samples>)", kwargsrepr="{}").headers,
+            amqp.as_task_v2("t2", "qrq.score_chunk", countdown=2.5, retries=3, root_id="t1",
+                            parent_id="t1", timelimit=(None, 20), group_id="g",
+                            group_index=0, ignore_result=True, stamped_headers=["s"],
+                            s="v", shadow="name").headers]
+    assert [header_problem(json.loads(json.dumps(h))) for h in sent] == [None, None]
