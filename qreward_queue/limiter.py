@@ -253,10 +253,12 @@ class Limiter:
     def _finish(self, holders: list[str], status_code: int | None,
                 headers: Mapping[str, str] | None, timed_out: bool, refund: float) -> float:
         """A 429 of an exhausted rate pauses the backend for everyone for Retry-After (else the
-        reset of the exhausted limit, else 1 s). A 429 while the headers say requests and
-        tokens are left is congestion (a concurrency limit below the configured one): it cuts
-        the adaptive concurrency like a timeout does, and pauses no one. A 429 that says
-        neither does both. Successes grow the concurrency. Returns the pause ordered.
+        reset of the exhausted limit; without either, no one: each call backs off with
+        jitter). A 429 while the headers say requests and tokens are left is congestion (a
+        concurrency limit below the configured one): it cuts the adaptive concurrency like a
+        timeout does, and pauses no one. A 429 that says neither cuts the concurrency and
+        pauses only for a usable Retry-After. Successes grow the concurrency. Returns the
+        pause ordered.
 
         Successes may wait up to ``finish_delay_s`` to be sent together (embedded mode, where
         every script costs interpreter time); anything else is sent at once, with them.

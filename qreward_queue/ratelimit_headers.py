@@ -159,9 +159,10 @@ class RateLimitHeaders:
         too many calls in flight, not an exhausted rate."""
         return bool(self.remaining_requests) and self.remaining_tokens != 0
 
-    def pause_s(self, default_s: float = 1.0) -> float:
+    def pause_s(self, default_s: float = 0.0) -> float:
         """How long a 429 should pause the backend: Retry-After, else the reset of an
-        exhausted limit, else `default_s`; never more than `max_pause_s`."""
+        exhausted limit, else `default_s` (0: no pause; each call backs off on its own with
+        jitter); never more than `max_pause_s`."""
         if self.retry_after_s is not None:
             return min(self.retry_after_s, self.max_pause_s)
         exhausted = [

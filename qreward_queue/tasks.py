@@ -3,7 +3,8 @@
 score_chunk -> ChunkRunner: the chunk's calls run concurrently on the process's call pool,
     each under the breaker and the global limiter (grants booked in bulk; after the call one
     round trip settles tokens, learns from the reply and releases the lease)
-    429               -> the limiter pauses everyone for Retry-After; the call is tried again
+    429               -> the limiter pauses everyone for a usable Retry-After, else the call
+                         backs off with jitter; tried again while its [retry] attempts last
     timeout, 5xx, ... -> left for `decide`
     4xx, bad verdict  -> an explicit `error` outcome at once (a batch call is split first)
 -> decide (pure): what becomes of what is left: wait out a long limiter wait, retry here after
@@ -44,7 +45,6 @@ TASK_NAME = "qrq.score_chunk"
 # The start of a chunk's outcomes that Flower and the task-succeeded event show: Celery walks
 # the result to build it, per task (at its default, 1,024 characters, 0.2 ms per sample).
 RESULT_REPR_CHARS = 200
-MAX_THROTTLED_CALLS = 20
 MAX_LIMITER_WAIT_S = 30.0
 MAX_TASK_RETRIES = 100
 RETURN_MARGIN_S = 0.5  # a chunk returns what it has this long before the batch deadline
@@ -227,11 +227,14 @@ class ChunkRunner:
             except LimiterBusy as busy:  # a retry could not start soon: leave it for later
                 self.busy_s = busy.wait_s
                 return
-            except RateLimited as exc:  # go again once the caller's wait is over
+            except RateLimited as exc:  # again after its wait, while attempts and time remain
                 throttled += 1
                 grant = None
-                if throttled < MAX_THROTTLED_CALLS:
-                    time.sleep(self._throttled_wait(exc, throttled))
+                wait_s = self._throttled_wait(exc, self.attempt + throttled - 1)
+                left_s = time_left_s(self.deadline)
+                if self.attempt + throttled < self.config.retry.attempts and (
+                        left_s is None or wait_s < left_s):
+                    time.sleep(wait_s)
                     continue
                 result: Call | ScoringError = exc
             except PermanentError as exc:
@@ -303,11 +306,12 @@ class ChunkRunner:
         self._learn(grant, call.status_code, call.headers, False, failed=False)
         return call
 
-    def _throttled_wait(self, exc: RateLimited, throttled: int) -> float:
-        """A 429'd call's own wait: Retry-After (bounded), else a backoff without a limiter."""
+    def _throttled_wait(self, exc: RateLimited, attempt: int) -> float:
+        """A 429'd call's own wait: Retry-After (bounded; 0 when the limiter paused everyone
+        for it), else the normal backoff with jitter."""
         if exc.retry_after_s is not None:
             return exc.retry_after_s
-        return 0.0 if self.limiter is not None else backoff_s(self.config.retry, throttled)
+        return backoff_s(self.config.retry, attempt)
 
     def _learn(self, grant: Grant | None, status_code, headers, timed_out: bool,
                failed: bool) -> float:
@@ -421,6 +425,13 @@ def score_chunk(
     )
     if nxt.action == "done":
         return done
+    if nxt.action in ("wait", "retry"):  # no sample is tried here more than attempts allow
+        for pos in [p for p, o in left.items() if o and o.attempts >= config.retry.attempts]:
+            done[pos] = left.pop(pos).to_dict()
+            done[pos]["error"] += (f" (gave up after {done[pos]['attempts']} attempt(s) on "
+                                   f"{backend!r}: its [retry] attempts are spent)")
+        if not left:
+            return done
     kwargs = dict(self.request.kwargs, done=done)
     if nxt.action in ("wait", "retry"):
         metrics.record_retry(backend, "limiter_busy" if nxt.action == "wait" else "backoff")

@@ -524,7 +524,7 @@ def test_chunk_runner_function_errors_are_per_sample(rewards_module):
 
 def test_chunk_runner_waits_out_retry_after_without_a_limiter():
     with MockJudge(MockJudgeSettings(rpm=60, latency_ms=1, latency_cv=0)) as judge:
-        config = judge_config(judge.url, retry=Retry(attempts=1))
+        config = judge_config(judge.url, retry=Retry(attempts=3))  # retries after Retry-After
         make_backend(config).call([sample(0)])  # empties the 1-request bucket
         (outcome,) = run_chunk(config, [sample(1)])
         stats = judge.stats()

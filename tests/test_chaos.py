@@ -185,8 +185,8 @@ def test_malformed_task_messages_are_dead_lettered_and_the_worker_keeps_consumin
 
 class HostileServer:
     """A backend of the tests' own on 127.0.0.1: `respond(request_json, headers)` returns
-    (status, content type, body text) for each POST, whatever the path; `extra_headers` are
-    sent with every reply."""
+    (status, content type, body text[, reply headers]) for each POST, whatever the path;
+    `extra_headers` are sent with every reply."""
 
     def __init__(self, respond):
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -196,10 +196,10 @@ class HostileServer:
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                status, ctype, reply = respond(body, self.headers)
+                status, ctype, reply, *own = respond(body, self.headers)
                 data = reply.encode()
                 self.send_response(status)
-                for name, value in outer.extra_headers.items():
+                for name, value in {**outer.extra_headers, **(own or [{}])[0]}.items():
                     self.send_header(name, value)
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(data)))
@@ -460,3 +460,44 @@ def test_the_headers_celery_itself_sends_pass_the_checks():
                             group_index=0, ignore_result=True, stamped_headers=["s"],
                             s="v", shadow="name").headers]
     assert [header_problem(json.loads(json.dumps(h))) for h in sent] == [None, None]
+
+
+def test_429s_without_a_usable_retry_after_cost_only_their_own_samples(
+    tmp_path, redis_url, stack
+):
+    # Given a judge under a global limiter that answers two prompts with 429 and a Retry-After
+    # it cannot use, and the rest with a verdict
+    tries: dict[str, int] = {}
+
+    def respond(body, _):
+        prompt = body["messages"][-1]["content"]
+        tries[prompt] = tries.get(prompt, 0) + 1
+        if "throttle<" in prompt:
+            retry_after = prompt.split("throttle<")[1].split(">")[0]
+            return 429, "application/json", json.dumps({"error": {"message": "slow down"}}), {
+                "Retry-After": retry_after}
+        return chat_reply("Score: 0.5")
+
+    server = hostile(stack, respond)
+    backend = judge_backend(server.url, rpm=60_000, calls=4)
+    backend["retry"].update(attempts=3, backoff_base_s=0.2, backoff_cap_s=1.0)
+    config_path = write_config(tmp_path, {"j": backend}, redis_url=redis_url)
+    app = qreward_queue.configure(qreward_queue.load_config(config_path))
+    (worker,) = start_workers(config_path, [("j", "throttled@chaos")])
+    stack.callback(worker.kill)
+    # When a batch of 22 holds two such samples among 20 innocent ones (in the same chunks)
+    samples = samples_for(22, "innocent")
+    samples[3]["prompt"] = "throttle<-5>"
+    samples[17]["prompt"] = "throttle<soon-ish>"
+    batch = qreward_queue.submit_batch(samples, route="j", app=app, deadline_s=60)
+    outcomes = batch.outcomes()
+    # Then the two are errors after at most their 3 attempts each, sent at most 3 times...
+    bad = [outcomes[3], outcomes[17]]
+    assert [o.status for o in bad] == ["error", "error"], bad
+    assert all("429" in o.error and o.attempts <= 3 for o in bad), bad
+    rendered = [p for p in tries if "throttle<" in p]
+    assert len(rendered) == 2 and all(tries[p] <= 3 for p in rendered), tries
+    # ...and the 20 innocent samples are scored, without waiting on them: no backend pause
+    assert all(o.status == "ok" for i, o in enumerate(outcomes) if i not in (3, 17)), outcomes
+    assert app.limiter("j").status()["paused_for_s"] == 0.0
+    assert batch.summary()["wall_s"] < 15, batch.summary()
