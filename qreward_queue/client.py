@@ -12,18 +12,19 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
+from concurrent.futures import Future
 from typing import Any, Literal
 
 import kombu.exceptions
 import redis
 from celery.states import READY_STATES
 
-from . import keys, metrics
-from .app import PRIORITIES, QrqCelery
+from . import keys, metrics, redis_wait
+from .app import PRIORITIES, REDIS_READ_TIMEOUT_S, QrqCelery
 from .cache import ScoreCache, content_key, reward_identity
 from .capacity import count_queued, queue_depth, route_shares
-from .config import Route
+from .config import Route, redact_url
 from .errors import DeadlineExceeded, RedisUnreachable, ScoringError
 from .liveness import NoWorkerWatch
 from .routing import Chunk, plan
@@ -73,6 +74,9 @@ class RewardBatch:
         self._next_liveness_check = time.monotonic() + LIVENESS_CHECK_S
         self._unheld: set[str] = set()
         self._no_worker = NoWorkerWatch(app)
+        self._look: Future | None = None  # the poll's read of Redis still in flight
+        self._look_since = time.time()  # and when it began
+        self._outage = redis_wait.Outage(redact_url(app.qrq_config.redis_url or ""))
         self.resubmitted = 0
         self._started, self._finished = time.monotonic(), None
 
@@ -110,7 +114,7 @@ class RewardBatch:
         """Full outcome records in input order; see `get` for the waiting rules."""
         stop = self.deadline if timeout is None else min(self.deadline, time.time() + timeout)
         while True:
-            self._poll()
+            self._poll(until=stop)
             if not self._pending:
                 self._finished = self._finished or time.monotonic()
                 break
@@ -152,65 +156,100 @@ class RewardBatch:
             return
         config = self.app.qrq_config
         route = list(self.route.backends)
-        expires = max(1.0, self.deadline - time.time())
-        # kombu's publish batch sends every message in one pipelined round trip on Redis
-        with self.app.producer_or_acquire() as producer, producer.batch():
-            for chunk in chunks:
-                task_id = uuid.uuid4().hex
-                samples = [self.samples[i] for i in chunk.indices]
-                self.app.send_task(
-                    TASK_NAME,
-                    kwargs={"backend": chunk.backend, "samples": samples, "route": route,
-                            "deadline": self.deadline},
-                    task_id=task_id,
-                    producer=producer,
-                    queue=config.backend(chunk.backend).queue,
-                    priority=self.priority,
-                    expires=expires,
-                    **summary(chunk.backend, samples),
-                )
-                self._pending[task_id] = chunk
-        if not config.embedded:  # the planner's view of each backend's backlog
-            for queue, n in _sizes(chunks, config).items():
-                count_queued(self.app.store, queue, n)
-        if not config.embedded:
-            # Redis losing its data (a restart without persistence) takes this key with it.
-            self._sentinel = self._sentinel or keys.batch_sentinel(uuid.uuid4().hex)
-            ttl_ms = int((self.deadline - time.time() + 60) * 1000)
-            self.app.store.set(self._sentinel, 1, px=max(ttl_ms, 1000))
+        messages = {uuid.uuid4().hex: chunk for chunk in chunks}
+        self._pending.update(messages)  # unsent, they are found lost and sent again
+
+        def publish() -> None:
+            expires = max(1.0, self.deadline - time.time())
+            # kombu's publish batch sends every message in one pipelined round trip on Redis
+            with self.app.producer_or_acquire() as producer, producer.batch():
+                for task_id, chunk in messages.items():
+                    samples = [self.samples[i] for i in chunk.indices]
+                    self.app.send_task(
+                        TASK_NAME,
+                        kwargs={"backend": chunk.backend, "samples": samples, "route": route,
+                                "deadline": self.deadline},
+                        task_id=task_id,
+                        producer=producer,
+                        queue=config.backend(chunk.backend).queue,
+                        priority=self.priority,
+                        expires=expires,
+                        **summary(chunk.backend, samples),
+                    )
+            if not config.embedded:  # the planner's view of each backend's backlog
+                for queue, n in _sizes(chunks, config).items():
+                    count_queued(self.app.store, queue, n)
+                # Redis losing its data (a restart without persistence) takes this key with it.
+                self._sentinel = self._sentinel or keys.batch_sentinel(uuid.uuid4().hex)
+                ttl_ms = int((self.deadline - time.time() + 60) * 1000)
+                self.app.store.set(self._sentinel, 1, px=max(ttl_ms, 1000))
+
+        self._within(self.deadline, publish)
 
     # -- collecting ----------------------------------------------------------------------------
 
-    def _poll(self) -> None:
+    def _poll(self, until: float | None = None) -> None:
+        """Read what came back, at most until `until` (default: the deadline) or one Redis
+        read timeout, whichever is first: a frozen Redis never holds the caller longer."""
         if not self._pending:
             return
+        pending = dict(self._pending)
         try:
-            metas = self._read_metas()
-            lost = self._lost_chunks(metas)
-            self._no_worker.check(c.backend for c in self._pending.values())
-        except (redis.ConnectionError, redis.TimeoutError, OSError):
-            return  # Redis is restarting: try again at the next poll, until the deadline
-        collected = [t for t, meta in metas.items() if meta["status"] in READY_STATES]
+            if self.app.qrq_config.embedded:
+                metas, lost = self._look_up(pending)
+            else:  # one read in flight at a time, however long Redis hangs
+                if self._look is None:
+                    self._look = redis_wait.submit(lambda: self._look_up(pending))
+                    self._look_since = time.time()
+                metas, lost = redis_wait.result(self._look, self._wait_s(until))
+                self._look = None
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+            if self._look is not None and self._look.done():
+                self._look = None  # it failed: the next poll reads afresh
+            self._outage.noticed(exc, self.deadline, self._look_since)
+            self._no_worker.postpone()
+            return  # Redis is restarting or frozen: try again at the next poll, until the deadline
+        self._outage.over()
+        collected = [t for t, meta in metas.items()
+                     if meta["status"] in READY_STATES and t in self._pending]
         for task_id in collected:
             self._settle(self._pending.pop(task_id), metas[task_id])
         if collected:  # read once, never again: the expiry stays as the safety net
             with contextlib.suppress(redis.RedisError, OSError):
-                self.app.backend.forget_many(collected)
+                self._within(until, lambda: self.app.backend.forget_many(collected))
         if lost and time.time() < self.deadline:
             for task_id in lost:
                 self._pending.pop(task_id, None)
             self.resubmitted += len(lost)
-            self.send(list(lost.values()))
+            with contextlib.suppress(redis.RedisError, kombu.exceptions.OperationalError, OSError):
+                self.send(list(lost.values()))
 
-    def _read_metas(self) -> dict[str, dict]:
+    def _wait_s(self, until: float | None) -> float:
+        """How long one wait on Redis may last: a read timeout, never past `until`."""
+        until = self.deadline if until is None else min(until, self.deadline)
+        return min(REDIS_READ_TIMEOUT_S, until - time.time())
+
+    def _within(self, until: float | None, fn: Callable[[], Any]) -> Any:
+        """`fn()` (calls on Redis) waited for at most `_wait_s(until)` (embedded: in place)."""
+        if self.app.qrq_config.embedded:
+            return fn()
+        return redis_wait.within(self._wait_s(until), fn)
+
+    def _look_up(self, pending: dict[str, Chunk]) -> tuple[dict[str, dict], dict[str, Chunk]]:
+        metas = self._read_metas(pending)
+        lost = self._lost_chunks(metas, pending)
+        self._no_worker.check(c.backend for c in pending.values())
+        return metas, lost
+
+    def _read_metas(self, pending: dict[str, Chunk]) -> dict[str, dict]:
         backend = self.app.backend
-        keys = {backend.get_key_for_task(i): i for i in self._pending}
+        keys = {backend.get_key_for_task(i): i for i in pending}
         values = backend.mget(list(keys))
         if not isinstance(values, dict):  # Redis answers a list, the in-memory cache a dict
             values = dict(zip(keys, values, strict=True))
         return {keys[k]: backend.decode_result(v) for k, v in values.items() if v}
 
-    def _lost_chunks(self, metas: dict[str, dict]) -> dict[str, Chunk]:
+    def _lost_chunks(self, metas: dict[str, dict], pending: dict[str, Chunk]) -> dict[str, Chunk]:
         """Tasks whose result will never come: all of them when Redis lost the batch's
         sentinel; those held (running, or waiting out a retry) by a worker whose heartbeat
         lapsed; and those nobody holds while every queue of the route is empty (a message
@@ -220,17 +259,17 @@ class RewardBatch:
         self._next_liveness_check = time.monotonic() + LIVENESS_CHECK_S
         store = self.app.store
         if self._sentinel and not store.exists(self._sentinel):
-            return {i: c for i, c in self._pending.items() if i not in metas}
-        waiting = [i for i in self._pending if i not in metas]
+            return {i: c for i, c in pending.items() if i not in metas}
+        waiting = [i for i in pending if i not in metas]
         holders = dict(zip(waiting, store.mget([keys.held(i) for i in waiting]), strict=True))
         hosts = sorted({h for h in holders.values() if h})
         alive = dict(zip(hosts, store.mget([keys.alive(h.decode()) for h in hosts]), strict=True))
-        lost = {i: self._pending[i] for i, h in holders.items() if h and not alive[h]}
+        lost = {i: pending[i] for i, h in holders.items() if h and not alive[h]}
         unheld = {i for i, h in holders.items() if not h}
         if unheld and not any(
             queue_depth(store, self.app.backend_config(b).queue) for b in self.route.backends
         ):
-            lost.update({i: self._pending[i] for i in unheld & self._unheld})
+            lost.update({i: pending[i] for i in unheld & self._unheld})
             self._unheld = unheld
         else:
             self._unheld = set()
@@ -254,7 +293,7 @@ class RewardBatch:
                 fresh[content_key(self.samples[i])] = outcome
         if self.cache and fresh:  # best effort: a Redis hiccup costs a cache entry, not a score
             with contextlib.suppress(redis.RedisError, OSError):
-                self.cache.put_many(fresh)
+                self._within(None, lambda: self.cache.put_many(fresh))
 
     def _expire(self) -> None:
         late = DeadlineExceeded("no result by the batch deadline")
@@ -328,7 +367,7 @@ def submit_batch(
         else None
     )
     deadline = time.time() + (deadline_s if deadline_s is not None else config.deadline_s)
-    try:  # every Redis outage at submit is one error type, whichever part met it
+    def queue() -> RewardBatch:
         hits = cache.get_many(list(first)) if cache else {}
         if cache:
             metrics.record_cache(app.store, the_route.name, len(first), len(hits))
@@ -339,9 +378,12 @@ def submit_batch(
             app, the_route, samples, outcomes, copies, cache, PRIORITIES[priority], deadline
         )
         batch.send(plan(config, the_route, todo, route_shares(app, the_route, len(todo))))
+        return batch
+
+    try:  # every Redis outage at submit is one error type, whichever part met it
+        return queue() if config.embedded else redis_wait.within(deadline - time.time(), queue)
     except (redis.RedisError, kombu.exceptions.OperationalError, OSError) as exc:
         raise RedisUnreachable(redis_problem(config, exc)) from None
-    return batch
 
 
 def _id(sample: Any) -> Any:

@@ -20,6 +20,7 @@ from . import keys
 log = logging.getLogger("qreward_queue")
 CONSUMERS_TTL_S = 24 * 3600  # the set outlives any pause in heartbeats; refreshed by each beat
 CHECK_EVERY_S = 2.0
+RECOVERY_GRACE_S = 6.0  # after an outage: a worker's heartbeat period (5 s) and a margin
 
 
 def beat(store: redis.Redis, node: str, queues: Iterable[str], ttl_s: float) -> None:
@@ -57,6 +58,12 @@ class NoWorkerWatch:
         self.warned: set[str] = set()
         self._unserved: set[str] = set()
         self._next = 0.0
+
+    def postpone(self) -> None:
+        """Redis was unreachable: its view of the workers is stale (heartbeats lapsed, or a
+        restart lost them), so judge only once every worker had time to beat again."""
+        self._unserved = set()
+        self._next = time.monotonic() + RECOVERY_GRACE_S
 
     def check(self, backends: Iterable[str]) -> None:
         config = self.app.qrq_config
