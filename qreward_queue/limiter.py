@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 MAX_PENDING = 32  # finishes sent together at most
+CORROBORATE = 3  # replies that must agree before a limit below the configured one is believed
+CLAIM_WINDOW_S = 60.0  # ... each within this long of the one before (or a 429 saying it)
 _SCRIPT_KEYS = {  # script -> the limiter keys it touches, in KEYS order
     "acquire": ("bucket", "leases", "aimd"),
     "checkpoint": ("bucket", "leases"),
@@ -112,7 +114,9 @@ class Limiter:
     of the client's own retries),
     ``aimd_cooldown_s`` (at most one multiplicative decrease per this many seconds),
     ``max_pause_s`` (the longest pause one reply can order; see `RateLimitHeaders`),
-    ``finish_delay_s`` (successes may wait this long to be finished together; 0: at once).
+    ``finish_delay_s`` (successes may wait this long to be finished together; 0: at once),
+    ``learned_relax_s`` (a limit learned from replies, below the configured one, doubles back
+    this often unless replies confirm it; see ``lua/finish.lua`` for when one is believed).
 
     >>> import fakeredis
     >>> limiter = Limiter(fakeredis.FakeRedis(), "judge-a", rpm=600, tpm=60_000, max_concurrent=4)
@@ -136,6 +140,7 @@ class Limiter:
         aimd_cooldown_s: float = 1.0,
         max_pause_s: float = DEFAULT_MAX_PAUSE_S,
         finish_delay_s: float = 0.0,
+        learned_relax_s: float = 60.0,
     ) -> None:
         if burst_s <= 0 or lease_ttl_s <= 0 or min(rpm or 0, tpm or 0, max_concurrent or 0) < 0:
             raise ValueError("burst_s and lease_ttl_s must be positive, limits not negative")
@@ -147,6 +152,7 @@ class Limiter:
         self.max_pause_s = max_pause_s
         self.bounded: tuple[str, ...] = ()  # the bounds the last bounded reply hit
         self.finish_delay_s = finish_delay_s
+        self.learned_relax_s = learned_relax_s
         self._pending: list[dict[str, Any]] = []  # finishes of successes not sent yet
         self._pending_since = 0.0
         self._lock = threading.Lock()
@@ -226,6 +232,7 @@ class Limiter:
                     "per_minute": lim["rate"] * 60_000,
                     "configured_per_minute": lim["cfg_rate"] * 60_000,
                     "reset_in_s": lim["reset_ms"] / 1000 if "reset_ms" in lim else None,
+                    "learned": _learned(lim),
                 }
                 for lim in _as_list(s["limits"])
             },
@@ -311,10 +318,12 @@ class Limiter:
         if calls or pause_s:
             self._run("finish", calls=calls, limits=self._limits, pause_ms=pause_s * 1000,
                       max_concurrent=self.max_concurrent, bounded=bounded,
-                      aimd_cooldown_ms=self.aimd_cooldown_s * 1000)
+                      aimd_cooldown_ms=self.aimd_cooldown_s * 1000,
+                      corroborate=CORROBORATE, claim_window_ms=CLAIM_WINDOW_S * 1000)
 
     def _run(self, script: str, **args: Any) -> dict[str, Any]:
         script_keys = [self._keys[name] for name in _SCRIPT_KEYS[script]]
+        args["relax_ms"] = self.learned_relax_s * 1000
         reply = self._retry(self._scripts[script], keys=script_keys, args=[json.dumps(args)])
         return json.loads(reply)
 
@@ -333,6 +342,20 @@ class Limiter:
                             self.backend, exc, left)
                 time.sleep(min(delay * random.uniform(0.8, 1.2), left))
                 delay = min(delay * 2, 1.0)
+
+
+def _learned(lim: dict[str, Any]) -> dict[str, Any] | None:
+    """What replies said of a limit below the configured one (per minute): believed (and
+    why, and how long ago) or only claimed so far; None when they said nothing of the kind."""
+    if "told_rate" not in lim and "claims" not in lim:
+        return None
+    return {
+        "believed": "told_rate" in lim,
+        "told_per_minute": lim.get("told_rate", lim.get("claim_rate", 0)) * 60_000,
+        "by": {"429": "a 429", "replies": "agreeing replies"}.get(lim.get("told_by")),
+        "age_s": lim.get("told_age_ms", lim.get("claim_age_ms", 0)) / 1000,
+        "replies": int(lim.get("claims", 0)),
+    }
 
 
 def _scaled(value: float | None, scale: float) -> float | None:

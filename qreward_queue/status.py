@@ -10,6 +10,7 @@ from collections.abc import Callable
 from .app import QrqCelery
 from .capacity import TYPICAL_BATCH, queue_depth, queue_depths
 from .config import Config
+from .limiter import CLAIM_WINDOW_S, CORROBORATE
 from .liveness import live_workers
 from .routing import chunk_size
 
@@ -92,7 +93,30 @@ def render_snapshot(snap: dict) -> str:
         )
     lines += [f"  {row['backend']}: a reply out of bounds (last 10 min): {row['bounded']}"
               for row in snap["backends"] if row.get("bounded")]
+    lines += [line for row in snap["backends"] for line in _learned_lines(row)]
     return "\n".join(lines)
+
+
+def _learned_lines(row: dict) -> list[str]:
+    """What replies said of a limit below the configured one, and whether it was believed."""
+    lines = []
+    for name, lim in row.get("limits", {}).items():
+        learned = lim.get("learned")
+        if not learned:
+            continue
+        told = f"{learned['told_per_minute']:.6g}/min"
+        heard = f"{learned['replies']} reply(s), last {learned['age_s']:.0f} s ago"
+        if learned["believed"]:
+            lines.append(
+                f"  {row['backend']}: {name} limit {told} believed ({learned['by']}; {heard}); "
+                f"now {lim['per_minute']:.6g}/min, doubling back towards the configured "
+                f"{lim['configured_per_minute']:.6g}/min unless replies confirm it")
+        else:
+            lines.append(
+                f"  {row['backend']}: {name} limit {told} told ({heard}), not believed: it "
+                f"takes {CORROBORATE} agreeing replies within {CLAIM_WINDOW_S:g} s of each "
+                "other, or a 429 saying it")
+    return lines
 
 
 def render_status(config: Config, as_json: bool = False) -> str:

@@ -6,6 +6,7 @@ restarts run on a PRIVATE redis-server (tests/support.py PrivateRedis), never th
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -501,3 +502,37 @@ def test_429s_without_a_usable_retry_after_cost_only_their_own_samples(
     assert all(o.status == "ok" for i, o in enumerate(outcomes) if i not in (3, 17)), outcomes
     assert app.limiter("j").status()["paused_for_s"] == 0.0
     assert batch.summary()["wall_s"] < 15, batch.summary()
+
+
+def test_one_reply_claiming_a_tiny_limit_does_not_throttle_the_backend(
+    tmp_path, redis_url, stack
+):
+    # Given a judge under a global limiter of 6,000 rpm whose first reply claims a limit of
+    # 1 request a minute (before: every worker believed it for 10 minutes)
+    replies = itertools.count()
+
+    def respond(body, _):
+        first = next(replies) == 0
+        return (*chat_reply("Score: 0.5"), {"x-ratelimit-limit-requests": "1"} if first else {})
+
+    judge = hostile(stack, respond)
+    config_path = write_config(tmp_path, {"j": judge_backend(judge.url, rpm=6000)},
+                               redis_url=redis_url)
+    app = qreward_queue.configure(qreward_queue.load_config(config_path))
+    (worker,) = start_workers(config_path, [("j", "tiny-limit@chaos")])
+    stack.callback(worker.kill)
+    first = qreward_queue.submit_batch(samples_for(1, "first"), route="j", app=app,
+                                       deadline_s=30).outcomes()
+    assert first[0].status == "ok", first
+    # When the next 20 samples are scored
+    samples = samples_for(20, "next")
+    batch = qreward_queue.submit_batch(samples, route="j", app=app, deadline_s=30)
+    outcomes = batch.outcomes()
+    # Then all are scored at the configured rate: one reply's word was not believed...
+    assert [(o.status, o.score) for o in outcomes] == [("ok", 0.5)] * 20, outcomes
+    assert batch.summary()["wall_s"] < 10, batch.summary()
+    # ...and `qrq status` shows what was told, and why it was not believed
+    shown = CliRunner().invoke(cli, ["status", "--config", str(config_path)])
+    assert shown.exit_code == 0, shown.output
+    assert "j: rpm limit 1/min told (1 reply(s), last" in shown.output, shown.output
+    assert "not believed: it takes 3 agreeing replies within 60 s" in shown.output, shown.output

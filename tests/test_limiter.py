@@ -321,12 +321,42 @@ def test_remaining_header_lowers_the_level(fake: fakeredis.FakeRedis, sleeps: li
     assert [g.wait_s for g in limiter.reserve(4)][-1] == pytest.approx(0.1, abs=0.05)
 
 
-def test_limit_header_lowers_the_rate_until_it_rises(fake: fakeredis.FakeRedis) -> None:
+def test_a_lower_limit_header_is_believed_from_three_replies_until_it_rises(
+    fake: fakeredis.FakeRedis,
+) -> None:
     limiter = Limiter(fake, "b", rpm=6000)
-    limiter.feedback(200, {"x-ratelimit-limit-requests": "3000"})
-    rpm = limiter.status()["limits"]["rpm"]
-    assert (rpm["per_minute"], rpm["capacity"], rpm["configured_per_minute"]) == (3000, 50, 6000)
+    for told in ("1", "3000", "2000"):  # one reply's word changes nothing...
+        limiter.feedback(200, {"x-ratelimit-limit-requests": told})
+        rpm = limiter.status()["limits"]["rpm"]
+        if told != "2000":
+            assert rpm["per_minute"] == 6000 and not rpm["learned"]["believed"], rpm
+    # ...the third agreeing one does: the most generous of them, with the reason shown
+    assert (rpm["per_minute"], rpm["capacity"], rpm["configured_per_minute"]) == pytest.approx(
+        (3000, 50, 6000), rel=0.01)  # (relaxing back from the moment it was believed)
+    assert rpm["learned"] == {"believed": True, "told_per_minute": 3000, "by": "agreeing replies",
+                              "age_s": pytest.approx(0, abs=0.5), "replies": 3}
     limiter.feedback(200, {"x-ratelimit-limit-requests": "9000"})  # never above the config
+    rpm = limiter.status()["limits"]["rpm"]
+    assert rpm["per_minute"] == 6000 and rpm["learned"] is None
+
+
+def test_a_429_saying_a_lower_limit_is_believed_at_once(fake: fakeredis.FakeRedis) -> None:
+    limiter = Limiter(fake, "b", rpm=6000)
+    limiter.feedback(429, {"x-ratelimit-limit-requests": "600"})
+    rpm = limiter.status()["limits"]["rpm"]
+    assert rpm["per_minute"] == pytest.approx(600, rel=0.01) and rpm["learned"]["by"] == "a 429"
+
+
+def test_a_believed_lower_limit_relaxes_back_unless_confirmed(fake: fakeredis.FakeRedis) -> None:
+    limiter = Limiter(fake, "b", rpm=6000, learned_relax_s=0.5)
+    for _ in range(3):
+        limiter.feedback(200, {"x-ratelimit-limit-requests": "600"})
+    assert limiter.status()["limits"]["rpm"]["per_minute"] == pytest.approx(600, rel=0.1)
+    time.sleep(1.0)  # two doublings: 600 -> 2400
+    assert limiter.status()["limits"]["rpm"]["per_minute"] == pytest.approx(2400, rel=0.15)
+    limiter.feedback(200, {"x-ratelimit-limit-requests": "600"})  # confirmed again: back down
+    assert limiter.status()["limits"]["rpm"]["per_minute"] == pytest.approx(600, rel=0.1)
+    time.sleep(2.0)  # unconfirmed for long: the configured limit again
     assert limiter.status()["limits"]["rpm"]["per_minute"] == 6000
 
 

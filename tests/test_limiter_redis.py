@@ -129,10 +129,12 @@ def test_429_pauses_every_process(redis_url: str) -> None:
 def test_header_sync_lowers_level_and_rate(redis_url: str) -> None:
     # Given a config of rpm 6000 while the server enforces 3000
     limiter = Limiter(redis.Redis.from_url(redis_url), "sync", rpm=6000)
-    limiter.feedback(200, {"x-ratelimit-limit-requests": "3000",
-                           "x-ratelimit-remaining-requests": "0"})
+    for _ in range(3):  # a lower limit is believed once three replies agree
+        limiter.feedback(200, {"x-ratelimit-limit-requests": "3000",
+                               "x-ratelimit-remaining-requests": "0"})
     rpm = limiter.status()["limits"]["rpm"]
-    assert rpm["per_minute"] == 3000 and rpm["level"] == pytest.approx(0, abs=1)
+    assert rpm["per_minute"] == pytest.approx(3000, rel=0.01)
+    assert rpm["level"] == pytest.approx(0, abs=1)
     # Then the measured rate is the server's (50/s), not the config's (100/s)
     per_proc = hammer(redis_url, "sync", {"rpm": 6000}, duration_s=3, skews=[0])
     starts = sorted(per_proc[0])

@@ -8,7 +8,8 @@
 --   'ok' | 'exhausted' (a 429, rate used up) | 'congested' (a 429 with rate left: too many in
 --   flight) | '429' (a 429 saying neither) | 'timeout' | '';
 --   limits: [{name, cap, rate}], max_concurrent (0 = no AIMD), aimd_cooldown_ms,
---   pause_ms (0 = none), bounded (what a reply said beyond qrq's bounds, '' when nothing)
+--   pause_ms (0 = none), bounded (what a reply said beyond qrq's bounds, '' when nothing),
+--   corroborate, claim_window_ms (when a lower limit told by replies is believed; see below)
 -- Returns {limit}: the adaptive concurrency limit (-1 without max_concurrent).
 local HRATE_KEEP_MS = 600000   -- a learned lower rate outlives an idle bucket by 10 minutes
 local AIMD_IDLE_MS = 600000    -- an idle controller forgets its state after 10 minutes
@@ -31,18 +32,41 @@ for _, c in ipairs(args.calls) do
 end
 if #holders > 0 then redis.call('ZREM', KEYS[2], unpack(holders)) end
 
--- A header limit below the configured rate becomes the rate (and scales the capacity) until a
--- header says otherwise (the latest reply wins).
+-- A header limit below the configured rate is a claim, not yet the rate: one reply's word cannot
+-- throttle a backend. It is believed (becomes the rate and scales the capacity) once
+-- args.corroborate replies in a run said so (a run ends args.claim_window_ms after its
+-- latest claim), or
+-- at once when the reply saying so is a 429; the rate believed is the most generous of the
+-- run's claims, and every later claim of the run confirms it. Unconfirmed, it relaxes back
+-- towards the configured rate (lib.lua `learned_rate`). A reply telling a limit at or above
+-- the configured one ends the run and the belief.
+local function put(field, value)
+  set[field], h[field] = value, value
+end
 for _, c in ipairs(args.calls) do
   for _, l in ipairs(args.limits or {}) do
-    local told = c.told and c.told[l.name] or {}
+    local told, n = c.told and c.told[l.name] or {}, l.name
     if told.limit_rate and told.limit_rate < l.rate then
-      set[l.name .. ':hrate'] = num(told.limit_rate)
-      h[l.name .. ':hrate'] = set[l.name .. ':hrate']
+      local count, best = tonumber(h[n .. ':claims']) or 0, tonumber(h[n .. ':claim_max']) or 0
+      if now - (tonumber(h[n .. ':claim_at']) or 0) > args.claim_window_ms then count, best = 0, 0 end
+      count, best = count + 1, math.max(best, told.limit_rate)
+      put(n .. ':claims', count)
+      put(n .. ':claim_max', num(best))
+      put(n .. ':claim_at', num(now))
+      local by_429 = c.event == 'exhausted' or c.event == '429'
+      if count >= args.corroborate or by_429 then
+        put(n .. ':hrate', num(best))
+        put(n .. ':hrate_at', num(now))
+        put(n .. ':hwhy', by_429 and '429' or 'replies')
+      end
       keep = math.max(keep, now + HRATE_KEEP_MS)
-    elseif told.limit_rate and h[l.name .. ':hrate'] then
-      redis.call('HDEL', bucket, l.name .. ':hrate')
-      h[l.name .. ':hrate'], set[l.name .. ':hrate'] = nil, nil
+    elseif told.limit_rate and (h[n .. ':hrate'] or h[n .. ':claims']) then
+      local fields = {'hrate', 'hrate_at', 'hwhy', 'claims', 'claim_max', 'claim_at'}
+      for i, f in ipairs(fields) do
+        fields[i] = n .. ':' .. f
+        h[fields[i]], set[fields[i]] = nil, nil
+      end
+      redis.call('HDEL', bucket, unpack(fields))
     end
   end
 end

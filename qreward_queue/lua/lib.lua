@@ -6,10 +6,22 @@
 -- the level at time t is min(cap, level + (t - ts) * rate). `ts` may lie in the future: acquire
 -- books a request at its start time, so a level below zero is debt that later requests wait behind.
 -- Other fields: `<name>:cap`/`<name>:rate` (configured, for status), `<name>:hrate` (a lower rate
--- per ms learned from x-ratelimit-limit-* headers), `<name>:reset_at`, `paused_until`, `shift`
--- (total ms that pauses moved the schedule), `keep_until` (the hash lives at least until then).
+-- per ms learned from x-ratelimit-limit-* headers, believed at `<name>:hrate_at` because of
+-- `<name>:hwhy`; see finish.lua), `<name>:claims`/`claim_max`/`claim_at` (the run of replies
+-- telling a lower limit), `<name>:reset_at`, `paused_until`, `shift` (total ms that pauses moved
+-- the schedule), `keep_until` (the hash lives at least until then).
 
 local args = cjson.decode(ARGV[1])
+local RELAX_MS = args.relax_ms or 60000  -- a learned rate doubles back this often, unconfirmed
+
+-- The learned rate of limit `name` at `now`: what replies told, relaxed back towards the
+-- configured rate (doubling every RELAX_MS since last confirmed); nil when none was believed.
+local function learned_rate(h, name, now)
+  local told = tonumber(h[name .. ':hrate'])
+  if not told then return nil end
+  local since = math.max(0, now - (tonumber(h[name .. ':hrate_at']) or now))
+  return told * 2 ^ (since / RELAX_MS)
+end
 
 local function now_ms()
   local t = redis.call('TIME')
@@ -34,7 +46,7 @@ local function load_limits(h, now)
   local limits = {}
   for _, l in ipairs(args.limits or {}) do
     l.cfg_cap, l.cfg_rate = l.cap, l.rate
-    local scale = math.min(1, (tonumber(h[l.name .. ':hrate']) or l.cfg_rate) / l.cfg_rate)
+    local scale = math.min(1, (learned_rate(h, l.name, now) or l.cfg_rate) / l.cfg_rate)
     l.cap, l.rate = l.cfg_cap * scale, l.cfg_rate * scale
     local level, ts = tonumber(h[l.name .. ':level']), tonumber(h[l.name .. ':ts'])
     l.level = level and math.min(l.cap, level + (now - ts) * l.rate) or l.cap
