@@ -193,7 +193,7 @@ class RewardBatch:
         read timeout, whichever is first: a frozen Redis never holds the caller longer."""
         if not self._pending:
             return
-        pending = dict(self._pending)
+        pending, wait_s = dict(self._pending), self._wait_s(until)
         try:
             if self.app.qrq_config.embedded:
                 metas, lost = self._look_up(pending)
@@ -201,13 +201,15 @@ class RewardBatch:
                 if self._look is None:
                     self._look = redis_wait.submit(lambda: self._look_up(pending))
                     self._look_since = time.time()
-                metas, lost = redis_wait.result(self._look, self._wait_s(until))
+                metas, lost = redis_wait.result(self._look, wait_s)
                 self._look = None
         except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
             if self._look is not None and self._look.done():
                 self._look = None  # it failed: the next poll reads afresh
-            self._outage.noticed(exc, self.deadline, self._look_since)
-            self._no_worker.postpone()
+            # a read cut short by the deadline (not by Redis's silence) is no news of Redis
+            if wait_s >= 1.0 or not isinstance(exc, redis_wait.RedisWaitTimeout):
+                self._outage.noticed(exc, self.deadline, self._look_since)
+                self._no_worker.postpone()
             return  # Redis is restarting or frozen: try again at the next poll, until the deadline
         self._outage.over()
         collected = [t for t, meta in metas.items()

@@ -230,6 +230,7 @@ def frozen_or_down_redis_setup(tmp_path, stack, samples: int):
     return private, app, worker, [{"prompt": f"p{i}", "response": f"r{i}"} for i in range(samples)]
 
 
+@pytest.mark.slow
 def test_the_deadline_holds_when_redis_freezes(tmp_path, stack):
     # Given a batch with a 20 s deadline that needs about 30 s
     private, app, worker, samples = frozen_or_down_redis_setup(tmp_path, stack, 300)
@@ -250,6 +251,7 @@ def test_the_deadline_holds_when_redis_freezes(tmp_path, stack):
     worker.stop()
 
 
+@pytest.mark.slow
 def test_a_redis_outage_is_reported_as_one_not_as_a_missing_worker(tmp_path, stack, caplog):
     # Given a batch being scored by a live worker
     private, app, worker, samples = frozen_or_down_redis_setup(tmp_path, stack, 60)
