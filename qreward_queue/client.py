@@ -35,6 +35,7 @@ from .tasks import TASK_NAME, summary
 Priority = Literal["val", "train", "bulk"]
 POLL_INTERVAL_S = 0.02
 LIVENESS_CHECK_S = 2.0
+QUICK_POLL_S = 0.05  # done()/completed wait no longer for Redis; the read goes on meanwhile
 
 
 class RewardBatch:
@@ -85,13 +86,14 @@ class RewardBatch:
 
     @property
     def completed(self) -> int:
-        """Samples with an outcome so far (polls once)."""
-        self._poll()
+        """Samples with an outcome so far (polls once, waiting at most QUICK_POLL_S)."""
+        self._poll(until=time.time() + QUICK_POLL_S)
         return sum(o is not None for o in self._outcomes)
 
     def done(self) -> bool:
-        """True once every sample has an outcome (polls once, never blocks)."""
-        self._poll()
+        """True once every sample has an outcome (polls once, waiting at most QUICK_POLL_S
+        for Redis: the asyncio poller serves every batch of the process with it)."""
+        self._poll(until=time.time() + QUICK_POLL_S)
         return not self._pending
 
     def summary(self) -> dict[str, Any]:
