@@ -208,13 +208,15 @@ class Config:
         """The route called `name` (a bare backend name is a one-backend route)."""
         name = name or self.default_route
         if name is None and self.source == "<memory>":
-            raise UnknownRoute(f"no route given: {config_not_found()}")
+            raise UnknownRoute(f"no route given: {config_not_found(_FROM_PYTHON)}")
         if name is None:
             raise UnknownRoute(f"no route given and {self.source} sets no [defaults] route")
         if name in self.routes:
             return self.routes[name]
         if name in self.backends:
             return Route(name=name, backends=(name,), weights=(1.0,))
+        if self.source == "<memory>" and not self.backends:
+            raise UnknownRoute(f"no route {name!r}: {config_not_found(_FROM_PYTHON)}")
         known = ", ".join(sorted({*self.routes, *self.backends})) or "none"
         raise UnknownRoute(f"unknown route or backend {name!r} (known: {known})")
 
@@ -480,12 +482,14 @@ def _routes(t: _Table, backends: dict[str, Backend]) -> dict[str, Route]:
     return routes
 
 
-def config_not_found() -> str:
-    """Where the default lookup looked, and how to point it at a file."""
+_FROM_PYTHON = "call qreward_queue.configure(FILE) or set QRQ_CONFIG=FILE"
+
+
+def config_not_found(how: str = "pass --config FILE or set QRQ_CONFIG=FILE") -> str:
+    """Where the default lookup looked, and `how` to point it at a file."""
     return (
         f"no qrq.toml found ($QRQ_CONFIG is unset and there is no {Path.cwd() / 'qrq.toml'}); "
-        f"pass --config FILE or set QRQ_CONFIG=FILE (an example ships with qrq: "
-        f"{PACKAGED_CONFIG})"
+        f"{how} (an example ships with qrq: {PACKAGED_CONFIG})"
     )
 
 
