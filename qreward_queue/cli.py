@@ -233,8 +233,11 @@ def worker(
     from .redact import install_log_filter
     from .tasks import TASK_NAME
 
-    config = load_config(config_path)
-    backend = load_backend(backend_file)
+    backend = load_backend(backend_file)  # its own file: every problem in it is an error
+    broken: dict[str, str] = {}
+    config = load_config(config_path, broken)
+    for problem in broken.values():
+        click.echo(f"qrq: warning: {problem} (left out of its routes here)", err=True)
     if config.embedded:
         raise ConfigError("qrq worker needs Redis: set QRQ_REDIS_URL or [redis] url in qrq.toml")
     if problem := backend.missing_api_key():

@@ -151,6 +151,33 @@ def test_worker_with_redis_unreachable_fails_at_start_in_one_line(tmp_path, even
     assert "celery@" not in result.stdout  # no banner: it never started
 
 
+def test_a_worker_is_not_stopped_by_a_typo_in_another_backend_file(tmp_path):
+    # Given a route over a and b, and a typo in a's file
+    config = write_config(tmp_path, {n: judge_backend("http://127.0.0.1:9") for n in "ab"},
+                          routes={"r": ["a", "b"]})
+    broken = tmp_path / "workers" / "a.toml"
+    broken.write_text(broken.read_text().replace("rpm = 0", "rpm = 'fast'"))
+    # When b's worker starts (against a closed Redis port, so it stops right after the checks)
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    result = qrq("worker", str(tmp_path / "workers" / "b.toml"), cwd=tmp_path,
+                 env={"QRQ_CONFIG": str(config), "QRQ_REDIS_URL": url}, timeout=60)
+    # Then a's problem is a warning and b's worker got as far as Redis
+    warning, error = result.stderr.strip().splitlines()
+    assert warning == (f"qrq: warning: {broken}: limits.rpm: expected a number, got 'fast' "
+                       "(left out of its routes here)")
+    assert error.startswith("qrq: error: cannot reach Redis")
+    # and b's own problems are errors, all of them in one line
+    own = tmp_path / "workers" / "b.toml"
+    own.write_text(own.read_text().replace("calls = 32", "calls = 0\ncolor = 1"))
+    result = qrq("worker", str(own), cwd=tmp_path,
+                 env={"QRQ_CONFIG": str(config), "QRQ_REDIS_URL": url}, timeout=60)
+    assert result.returncode == 2
+    assert error_line(result.stderr) == (f"qrq: error: {own}: pool.calls: expected an integer "
+                                         ">= 1, got 0; pool.color: unknown key (known: calls, "
+                                         "concurrency, max_memory_per_child_mb, "
+                                         "max_tasks_per_child, memory_limit_mb, rate_limit, type)")
+
+
 def test_python_api_without_a_config_says_no_config_was_found(tmp_path):
     code = ("import qreward_queue as q\n"
             "try:\n q.submit_batch([{'prompt': 'p', 'response': 'r'}], route='demo')\n"
