@@ -300,10 +300,12 @@ class RewardBatch:
                 self._within(None, lambda: self.cache.put_many(fresh))
 
     def _expire(self) -> None:
-        late = DeadlineExceeded("no result by the batch deadline")
         for chunk in self._pending.values():
+            why = "no result by the batch deadline"
+            if chunk.backend in self._no_worker.warned:  # so the caller's summary says why
+                why += f": {self._no_worker.cause(chunk.backend)}"
             for i in chunk.indices:
-                self._place(i, Outcome.failed(late))
+                self._place(i, Outcome.failed(DeadlineExceeded(why)))
         self._pending.clear()
         self._finished = time.monotonic()
 

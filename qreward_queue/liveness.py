@@ -78,11 +78,13 @@ class NoWorkerWatch:
                 if not live_workers(self.app.store, config.backend(b).queue)
             }
         for name in sorted(unserved & self._unserved):
-            backend = config.backend(name)
-            log.warning(
-                "qrq: warning: no live worker consumes queue %s of backend %r; start one with "
-                "`qrq worker %s` (still waiting, until the batch deadline)",
-                backend.queue, name, backend.source,
-            )
+            log.warning("qrq: warning: %s (still waiting, until the batch deadline)",
+                        self.cause(name))
             self.warned.add(name)
         self._unserved = unserved - self.warned
+
+    def cause(self, name: str) -> str:
+        """What is wrong with backend `name`'s queue, and the command that fixes it."""
+        backend = self.app.qrq_config.backend(name)
+        return (f"no live worker consumes queue {backend.queue} of backend {name!r}; start one "
+                f"with `qrq worker {backend.source}`")

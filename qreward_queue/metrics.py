@@ -41,6 +41,7 @@ from celery.signals import task_success
 
 from . import keys
 from .errors import ConfigError
+from .extras import require
 
 if TYPE_CHECKING:
     import redis
@@ -199,11 +200,7 @@ def serve_worker(port: int, host: str = "0.0.0.0") -> str:
 
 def _require_client() -> None:
     """A clear one-line error instead of an ImportError when the extra is missing."""
-    try:
-        import prometheus_client  # noqa: F401
-    except ImportError:
-        raise ConfigError("metrics need prometheus_client: pip install "
-                          "'qreward-queue[metrics]'") from None
+    require("prometheus_client", "Prometheus metrics")
 
 
 class RedisStateCollector:

@@ -449,7 +449,8 @@ def score_chunk(
             countdown=0,
             **summary(target, samples),
         )
-    note = f" (gave up after {attempt} attempt(s) on {backend!r}; {nxt.why})"
+    tried_here = "no call made" if unusable else f"gave up after {attempt} attempt(s)"
+    note = f" ({tried_here} on {backend!r}; {nxt.why})"
     for pos, outcome in left.items():
         done[pos] = (
             outcome

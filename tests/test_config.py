@@ -451,3 +451,17 @@ def test_api_key_env_must_look_like_a_variable_name(tmp_path):
     message = config_error(load_backend, path)
     assert "backend.api_key_env" in message
     assert secret not in message
+
+
+def test_every_problem_of_a_file_is_reported_at_once(tmp_path):
+    file = tmp_path / "j.toml"
+    file.write_text('[backend]\nkind = "judge"\nurl = "http://h/v1"\nmodel = "m"\ntimeout_s = "x"\n'
+                    '[limits]\nrpm = "fast"\nmax_concurrnt = 4\n[pool]\ncalls = 0\n')
+    with pytest.raises(ConfigError) as info:
+        load_backend(file)
+    message = str(info.value)
+    assert message.startswith(f"{file}: backend.timeout_s: expected a number, got 'x'; ")
+    for part in ("limits.rpm: expected a number, got 'fast'", "limits.max_concurrnt: unknown key",
+                 "pool.calls: expected an integer >= 1, got 0"):
+        assert part in message
+    assert message.count(str(file)) == 1 and "\n" not in message
