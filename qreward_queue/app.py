@@ -22,6 +22,7 @@ from kombu import Queue
 from . import keys, kombu_fix, liveness, tasks
 from .breaker import CircuitBreaker
 from .config import Backend, Config
+from .lease import BatchWatch
 from .limiter import Limiter
 
 kombu_fix.install()  # a Redis restart must not kill the worker (see kombu_fix)
@@ -58,6 +59,11 @@ class QrqCelery(Celery):
             socket_connect_timeout=5,
             health_check_interval=30,
         )
+
+    @cached_property
+    def batch_watch(self) -> BatchWatch:
+        """The worker's view of batch leases (cancelled or abandoned batches make no call)."""
+        return BatchWatch(self.store)
 
     def backend_config(self, name: str) -> Backend:
         return self.qrq_config.backend(name)

@@ -4,6 +4,8 @@ validate -> dedup -> cache lookup -> plan chunks over the route (weight x free c
 -> group(score_chunk...) on per-backend priority queues
 -> RewardBatch: poll results, put each outcome back at its input index(es), cache new scores,
    resubmit work that will never come back, and honour the deadline
+   (while outstanding it holds a lease in Redis; cancel() or an interrupted wait ends it, and
+   workers then make no new call for the batch)
 """
 
 from __future__ import annotations
@@ -19,12 +21,12 @@ import kombu.exceptions
 import redis
 from celery.states import READY_STATES
 
-from . import keys, metrics
-from .app import PRIORITIES, QrqCelery
+from . import keys, lease, metrics, records
+from .app import HEARTBEAT_S, PRIORITIES, QrqCelery
 from .cache import ScoreCache, content_key, reward_identity
 from .capacity import count_queued, queue_depth, route_shares
 from .config import Route
-from .errors import DeadlineExceeded, RedisUnreachable, ScoringError
+from .errors import Cancelled, DeadlineExceeded, RedisUnreachable, ScoringError
 from .liveness import NoWorkerWatch
 from .routing import Chunk, plan
 from .runtime import get_app, redis_problem
@@ -34,6 +36,10 @@ from .tasks import TASK_NAME, summary
 Priority = Literal["val", "train", "bulk"]
 POLL_INTERVAL_S = 0.02
 LIVENESS_CHECK_S = 2.0
+# After Redis was away or lost its data, no task is judged lost until every worker's heartbeat
+# has had time to say again what it holds (a task still running is not bought twice).
+RECOVERY_GRACE_S = HEARTBEAT_S + LIVENESS_CHECK_S + 1.0
+_REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, OSError)
 
 
 class RewardBatch:
@@ -43,6 +49,11 @@ class RewardBatch:
     then come back as `timeout` with the fallback score); `await batch` does the same without
     blocking the event loop. Results that will never come (Redis lost its data, the worker
     running a task died) are noticed and the work is sent again before the deadline.
+
+    `cancel()` stops what is left (its samples come back `cancelled`); it also happens by
+    itself when a wait is interrupted (Ctrl-C, an exception), when a `with` block around the
+    batch raises, and when every awaiter of the batch is cancelled. A client that dies stops
+    renewing the batch's lease, and workers stop calling for it within `lease_s`.
 
     Example:
         >>> batch = submit_batch([{"prompt": "2+2?", "response": "4"}], route="math")
@@ -64,6 +75,7 @@ class RewardBatch:
         self.app, self.route, self.samples = app, route, samples
         self.priority, self.deadline, self.cache = priority, deadline, cache
         self._copies = copies
+        self.batch_id = uuid.uuid4().hex
         self._outcomes: list[Outcome | None] = [None] * len(samples)
         for i, outcome in enumerate(outcomes):
             if outcome is not None:
@@ -72,6 +84,7 @@ class RewardBatch:
         self._sentinel: str | None = None
         self._next_liveness_check = time.monotonic() + LIVENESS_CHECK_S
         self._unheld: set[str] = set()
+        self._quiet_until = 0.0  # no task is judged lost before (see RECOVERY_GRACE_S)
         self._no_worker = NoWorkerWatch(app)
         self.resubmitted = 0
         self._started, self._finished = time.monotonic(), None
@@ -107,23 +120,68 @@ class RewardBatch:
         return list(self._outcomes)
 
     def outcomes(self, timeout: float | None = None) -> list[Outcome]:
-        """Full outcome records in input order; see `get` for the waiting rules."""
+        """Full outcome records in input order; see `get` for the waiting rules. A wait that
+        is interrupted (KeyboardInterrupt, any exception) cancels the batch first."""
         stop = self.deadline if timeout is None else min(self.deadline, time.time() + timeout)
+        try:
+            finished = self._wait(stop)
+        except BaseException:
+            self.cancel()
+            raise
+        if not finished:
+            raise TimeoutError(
+                f"{len(self._pending)} task(s) unfinished after {timeout} s "
+                f"(the batch deadline is later; call get() again)"
+            )
+        return list(self._outcomes)  # type: ignore[arg-type]
+
+    def _wait(self, stop: float) -> bool:
         while True:
             self._poll()
             if not self._pending:
                 self._finished = self._finished or time.monotonic()
-                break
+                return True
             if time.time() >= self.deadline:
                 self._expire()
-                break
+                return True
             if time.time() >= stop:
-                raise TimeoutError(
-                    f"{len(self._pending)} task(s) unfinished after {timeout} s "
-                    f"(the batch deadline is later; call get() again)"
-                )
+                return False
             time.sleep(POLL_INTERVAL_S)
-        return list(self._outcomes)  # type: ignore[arg-type]
+
+    def cancel(self) -> int:
+        """Give up on what is not scored yet; returns how many samples that was.
+
+        Workers make no new call for the batch from the moment they see it (within about a
+        second) and drop its queued chunks. Outcomes already in, including samples finished
+        inside chunks still running, are kept; the rest come back `cancelled`.
+        """
+        if not self._pending:
+            return 0
+        store, pending = self.app.store, [i for c in self._pending.values() for i in c.indices]
+        recorded: dict[int, dict] = {}
+        with contextlib.suppress(redis.RedisError, OSError):  # Redis away: cancel all the same
+            lease.end(store, self.batch_id, lease.CANCELLED, self._keep_s())
+            self._collect(self._read_metas())
+            recorded = records.read(store, self.batch_id, pending)
+        why = Cancelled("cancelled by the caller before it was scored")
+        cancelled = 0
+        for chunk in self._pending.values():
+            for i in chunk.indices:
+                if i in recorded:
+                    self._place(i, Outcome.from_dict(recorded[i]))
+                else:
+                    self._place(i, Outcome.failed(why))
+                    cancelled += 1
+        self._pending.clear()
+        self._finished = time.monotonic()
+        return cancelled
+
+    def __enter__(self) -> RewardBatch:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        """Leaving a `with` block, by an exception or not, cancels what is still unscored."""
+        self.cancel()
 
     def get(self, timeout: float | None = None) -> list[float]:
         """Scores in input order; raises TimeoutError if `timeout` ends before the deadline."""
@@ -153,6 +211,9 @@ class RewardBatch:
         config = self.app.qrq_config
         route = list(self.route.backends)
         expires = max(1.0, self.deadline - time.time())
+        if not config.embedded and not self._sentinel:  # the first send: the lease begins
+            self._sentinel = keys.batch_sentinel(self.batch_id)
+            lease.hold(self, self.app.store, self.batch_id, config.lease_s)
         # kombu's publish batch sends every message in one pipelined round trip on Redis
         with self.app.producer_or_acquire() as producer, producer.batch():
             for chunk in chunks:
@@ -161,7 +222,8 @@ class RewardBatch:
                 self.app.send_task(
                     TASK_NAME,
                     kwargs={"backend": chunk.backend, "samples": samples, "route": route,
-                            "deadline": self.deadline},
+                            "deadline": self.deadline, "batch": self.batch_id,
+                            "indices": list(chunk.indices)},
                     task_id=task_id,
                     producer=producer,
                     queue=config.backend(chunk.backend).queue,
@@ -173,11 +235,20 @@ class RewardBatch:
         if not config.embedded:  # the planner's view of each backend's backlog
             for queue, n in _sizes(chunks, config).items():
                 count_queued(self.app.store, queue, n)
-        if not config.embedded:
-            # Redis losing its data (a restart without persistence) takes this key with it.
-            self._sentinel = self._sentinel or keys.batch_sentinel(uuid.uuid4().hex)
-            ttl_ms = int((self.deadline - time.time() + 60) * 1000)
-            self.app.store.set(self._sentinel, 1, px=max(ttl_ms, 1000))
+        if self._sentinel:
+            self._set_sentinel()
+
+    def _set_sentinel(self) -> None:
+        """Redis losing its data (a restart without persistence) takes this key with it; the
+        lease is set first, so that no worker sees the sentinel without a live lease."""
+        ttl_ms = lease.key_ttl_ms(self.app.qrq_config.lease_s)
+        with self.app.store.pipeline(transaction=False) as pipe:
+            pipe.set(keys.lease(self.batch_id), lease.LIVE, px=ttl_ms)
+            pipe.set(self._sentinel, 1, px=int(self._keep_s() * 1000))
+            pipe.execute()
+
+    def _keep_s(self) -> float:
+        return max(1.0, self.deadline - time.time() + 60)
 
     # -- collecting ----------------------------------------------------------------------------
 
@@ -188,19 +259,32 @@ class RewardBatch:
             metas = self._read_metas()
             lost = self._lost_chunks(metas)
             self._no_worker.check(c.backend for c in self._pending.values())
-        except (redis.ConnectionError, redis.TimeoutError, OSError):
-            return  # Redis is restarting: try again at the next poll, until the deadline
+        except _REDIS_DOWN:  # Redis is restarting: try again at the next poll, until the deadline
+            self._quiet_until = time.monotonic() + RECOVERY_GRACE_S
+            return
+        self._collect(metas)
+        if not self._pending:
+            self._done()
+        if lost and time.time() < self.deadline:
+            for task_id in lost:
+                self._pending.pop(task_id, None)
+            self.resubmitted += len(lost)
+            self.send(list(lost.values()))
+
+    def _collect(self, metas: dict[str, dict]) -> None:
         collected = [t for t, meta in metas.items() if meta["status"] in READY_STATES]
         for task_id in collected:
             self._settle(self._pending.pop(task_id), metas[task_id])
         if collected:  # read once, never again: the expiry stays as the safety net
             with contextlib.suppress(redis.RedisError, OSError):
                 self.app.backend.forget_many(collected)
-        if lost and time.time() < self.deadline:
-            for task_id in lost:
-                self._pending.pop(task_id, None)
-            self.resubmitted += len(lost)
-            self.send(list(lost.values()))
+
+    def _done(self) -> None:
+        """Every outcome is in: workers may drop any copy of the batch's work still around."""
+        self._finished = self._finished or time.monotonic()
+        if self._sentinel:
+            with contextlib.suppress(redis.RedisError, OSError):
+                lease.end(self.app.store, self.batch_id, lease.DONE, self._keep_s())
 
     def _read_metas(self) -> dict[str, dict]:
         backend = self.app.backend
@@ -214,13 +298,19 @@ class RewardBatch:
         """Tasks whose result will never come: all of them when Redis lost the batch's
         sentinel; those held (running, or waiting out a retry) by a worker whose heartbeat
         lapsed; and those nobody holds while every queue of the route is empty (a message
-        lost between a worker's pop and its bookkeeping), seen so at two checks in a row."""
+        lost between a worker's pop and its bookkeeping, or a restart of Redis), seen so at
+        two checks in a row. Nothing is judged lost until the workers' heartbeats have had
+        time to say again what they hold after Redis was away or lost its data."""
         if self.app.qrq_config.embedded or time.monotonic() < self._next_liveness_check:
             return {}
         self._next_liveness_check = time.monotonic() + LIVENESS_CHECK_S
         store = self.app.store
         if self._sentinel and not store.exists(self._sentinel):
-            return {i: c for i, c in self._pending.items() if i not in metas}
+            self._set_sentinel()
+            self._quiet_until = time.monotonic() + RECOVERY_GRACE_S
+        if time.monotonic() < self._quiet_until:
+            self._unheld = set()
+            return {}
         waiting = [i for i in self._pending if i not in metas]
         holders = dict(zip(waiting, store.mget([keys.held(i) for i in waiting]), strict=True))
         hosts = sorted({h for h in holders.values() if h})
@@ -262,7 +352,7 @@ class RewardBatch:
             for i in chunk.indices:
                 self._place(i, Outcome.failed(late))
         self._pending.clear()
-        self._finished = time.monotonic()
+        self._done()
 
     def _place(self, i: int, outcome: Outcome) -> None:
         """The one place an outcome gets its sample's id and, on failure, the fallback score;

@@ -198,6 +198,7 @@ class Config:
     max_sample_bytes: int = 1 << 20
     result_expires_s: int = 6 * 3600
     visibility_timeout_s: int = 900
+    lease_s: float = 15.0  # workers stop calling for a batch this long after its client died
     source: str = "<memory>"
 
     @property
@@ -540,6 +541,7 @@ def load_config(path: str | os.PathLike[str] | None = None) -> Config:
         max_sample_bytes=d.integer("max_sample_bytes", 1 << 20),
         result_expires_s=d.integer("result_expires_s", 6 * 3600),
         visibility_timeout_s=d.integer("visibility_timeout_s", 900),
+        lease_s=d.number("lease_s", 15.0),
         source=str(path),
     )
     d.finish()

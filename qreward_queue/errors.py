@@ -12,7 +12,9 @@ QrqError
     │   └── LimiterBusy        the global limiter cannot start the call soon: try again later
     ├── PermanentError     other 4xx, unparseable verdict: retrying cannot help
     │   └── SampleTimeout      a reward function ran over its time limit: status "timeout"
-    └── DeadlineExceeded   the batch deadline passed first: outcome status "timeout"
+    ├── DeadlineExceeded   the batch deadline passed first: outcome status "timeout"
+    └── Cancelled          nobody waits any more (cancel(), an interrupted wait, a lapsed
+                           lease): outcome status "cancelled"
 """
 
 from __future__ import annotations
@@ -112,3 +114,9 @@ class SampleTimeout(PermanentError):
     """A reward function ran over its per-sample time limit and was stopped."""
 
     status = "timeout"
+
+
+class Cancelled(ScoringError):
+    """The batch was cancelled, or its caller's lease lapsed, before the sample was scored."""
+
+    status = "cancelled"

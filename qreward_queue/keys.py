@@ -42,6 +42,18 @@ def batch_sentinel(batch_id: str) -> str:
     return f"{PREFIX}batch:{batch_id}"
 
 
+def lease(batch_id: str) -> str:
+    """A batch's lease: `live` while its client renews it (short TTL), then `cancelled` or
+    `done`; workers make no call for a batch whose lease says so or lapsed."""
+    return f"{PREFIX}lease:{batch_id}"
+
+
+def records(batch_id: str) -> str:
+    """Hash of a batch's finished samples (input index -> outcome JSON), written by workers as
+    each finishes, so that a chunk run again calls only what is still missing."""
+    return f"{PREFIX}done:{batch_id}"
+
+
 DEAD_LETTERS = f"{PREFIX}dead-letters"  # malformed task messages, newest first, kept to inspect
 
 

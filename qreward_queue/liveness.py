@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import redis
 
@@ -79,3 +80,42 @@ class NoWorkerWatch:
             )
             self.warned.add(name)
         self._unserved = unserved - self.warned
+
+
+class HeldKeeper:
+    """Says again, every `every_s`, which tasks this process is running (`qrq:held:<task>` =
+    its node), so that after Redis lost its data a client can tell a task still running,
+    which it must not send again (that would buy its calls twice), from one that was lost."""
+
+    def __init__(self, every_s: float) -> None:
+        self.every_s = every_s
+        self._lock = threading.Lock()
+        self._running: dict[str, tuple[redis.Redis, str, int]] = {}
+        self._thread: threading.Thread | None = None
+
+    @contextlib.contextmanager
+    def holding(self, store: redis.Redis, task_id: str, node: str, ttl_s: int) -> Iterator[None]:
+        with self._lock:
+            self._running[task_id] = (store, node, ttl_s)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="qrq-held", daemon=True)
+                self._thread.start()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running.pop(task_id, None)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.every_s)
+            with self._lock:
+                running = list(self._running.items())
+            if not running:
+                continue
+            store = running[0][1][0]
+            # Redis away: say it again at the next round
+            with contextlib.suppress(redis.RedisError, OSError), store.pipeline(False) as pipe:
+                for task_id, (_, node, ttl_s) in running:
+                    pipe.set(keys.held(task_id), node, ex=ttl_s)
+                pipe.execute()

@@ -20,14 +20,17 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache, partial
+from functools import cache, partial, wraps
 from typing import Literal
 
-from . import capacity, metrics
+import redis
+
+from . import capacity, liveness, metrics, records
 from .backends import BackendClient, Call, make_backend
 from .breaker import CircuitBreaker
 from .config import Backend, Retry
 from .errors import (
+    Cancelled,
     DeadlineExceeded,
     LimiterBusy,
     PermanentError,
@@ -48,6 +51,7 @@ MAX_THROTTLED_CALLS = 20
 MAX_LIMITER_WAIT_S = 30.0
 MAX_TASK_RETRIES = 100
 RETURN_MARGIN_S = 0.5  # a chunk returns what it has this long before the batch deadline
+HELD_EVERY_S, HELD_TTL_S = 5.0, 6 * 3600  # as the workers' heartbeat and `qrq:held:` keys
 
 
 @cache
@@ -154,7 +158,9 @@ class ChunkRunner:
     Afterwards `outcomes` holds an Outcome per sample (None: not tried, because the limiter
     asked for a long wait, see `busy_s`, or not done just before the batch deadline, so that
     the results of its chunk-mates still reach the client in time) and `retryable` the
-    positions worth another try.
+    positions worth another try. `stop()` names why no new call may start (the batch was
+    cancelled or its caller is gone; asked before each call), and `record(position, outcome)`
+    gets each final outcome as its call ends.
     """
 
     def __init__(
@@ -165,10 +171,13 @@ class ChunkRunner:
         attempt: int,
         may_refuse: bool = True,
         deadline: float | None = None,
+        stop: Callable[[], str | None] = lambda: None,
+        record: Callable[[int, Outcome], None] | None = None,
     ):
         self.config, self.limiter, self.breaker, self.attempt = config, limiter, breaker, attempt
         self.may_refuse = may_refuse  # an open circuit refuses calls only while siblings remain
         self.deadline = deadline
+        self.stop, self.record = stop, record
         self.client = _client(config)
         self.busy_s: float | None = None
         self.outcomes: list[Outcome | None] = []
@@ -182,7 +191,7 @@ class ChunkRunner:
             return self
         pool = call_pool(self.config)
         running = InFlight()
-        while calls and self.busy_s is None and not self._past_deadline():
+        while calls and self.busy_s is None and not self._past_deadline() and not self.stop():
             slots = pool.take(len(calls))
             tokens = max(self.client.estimate_tokens([samples[i] for i in calls[k]])
                          for k in range(slots)) if self.limiter else 0
@@ -234,6 +243,8 @@ class ChunkRunner:
                     time.sleep(self._throttled_wait(exc, throttled))
                     continue
                 result: Call | ScoringError = exc
+            except Cancelled as exc:
+                result = exc
             except PermanentError as exc:
                 if len(positions) > 1:  # isolate the bad item: split, then each half on its own
                     half = len(positions) // 2
@@ -254,14 +265,17 @@ class ChunkRunner:
                 self.outcomes[i] = Outcome.failed(result, name, attempts, latency_ms)
                 if isinstance(result, RetryableError):
                     self.retryable.add(i)
-            return
-        details = result.details or [None] * len(positions)
-        for i, score, detail in zip(positions, result.scores, details, strict=True):
-            self.outcomes[i] = (
-                Outcome.failed(score, name, attempts, latency_ms)
-                if isinstance(score, ScoringError)
-                else Outcome(score, "ok", name, attempts, latency_ms, detail=detail)
-            )
+        else:
+            details = result.details or [None] * len(positions)
+            for i, score, detail in zip(positions, result.scores, details, strict=True):
+                self.outcomes[i] = (
+                    Outcome.failed(score, name, attempts, latency_ms)
+                    if isinstance(score, ScoringError)
+                    else Outcome(score, "ok", name, attempts, latency_ms, detail=detail)
+                )
+        if self.record is not None and not isinstance(result, (RetryableError, Cancelled)):
+            for i in positions:
+                self.record(i, self.outcomes[i])  # type: ignore[arg-type]
 
     def _guarded_call(self, batch: list[dict], grant: Grant | None) -> Call:
         if self.may_refuse and self.breaker is not None and not self.breaker.allow():
@@ -283,6 +297,9 @@ class ChunkRunner:
             if grant is not None:
                 grant.wait()
                 metrics.record_limiter_wait(name, grant.wait_s)
+            stopped = self.stop()
+            if stopped:  # nobody waits for this call any more: it is never made
+                raise Cancelled(stopped)
             started = time.monotonic()
             call = self.client.call(batch)
         except ScoringError as exc:
@@ -381,17 +398,28 @@ def score_chunk(
     done: list[dict | None] | None = None,
     tried: list[str] | None = None,
     attempt: int = 1,
+    batch: str | None = None,
+    indices: list[int] | None = None,
 ) -> list[dict]:
     """Score `samples` on `backend`; one outcome dict per sample, in input order.
 
     `done` carries outcomes settled by earlier runs of this task (after a backoff, a long
-    limiter wait or a failover), so a retried task scores only what is left.
+    limiter wait or a failover), so a retried task scores only what is left. `batch` and
+    `indices` (the samples' places in it) tie the task to its batch's lease (no call for a
+    batch nobody waits for) and per-sample records (no call for a sample already scored).
     """
     app = self.app
     config = app.backend_config(backend)
     done = list(done) if done else [None] * len(samples)
     todo = [i for i, o in enumerate(done) if o is None]
     _requeued(app, config.queue, -len(todo))
+    stop = partial(app.batch_watch.stop_reason, batch)
+    recorder = None
+    if batch is not None and indices is not None and len(indices) == len(samples):
+        todo = _skip_recorded(app, batch, indices, todo, done)
+        recorder = records.Recorder(app.store, batch, deadline)
+    if stop():  # a queued chunk of a cancelled or abandoned batch: dropped, nothing called
+        return _cancelled(done, todo, stop(), backend, attempt)
     siblings = [b for b in (route or []) if b != backend and b not in (tried or [])]
     breaker = app.breaker(backend) if len(route or ()) > 1 else None
     left: dict[int, Outcome | None] = {}
@@ -400,9 +428,16 @@ def score_chunk(
         left = {pos: Outcome.failed(TransientError(unusable), backend, attempt) for pos in todo}
         busy_s, circuit_open, attempt = None, True, max(attempt, config.retry.attempts)
     else:
-        runner = ChunkRunner(
-            config, app.limiter(backend), breaker, attempt, bool(siblings), deadline
-        ).run([samples[i] for i in todo])
+        record = None if recorder is None else (
+            lambda k, outcome: recorder.record(indices[todo[k]], outcome.to_dict()))
+        try:
+            runner = ChunkRunner(
+                config, app.limiter(backend), breaker, attempt, bool(siblings), deadline,
+                stop, record,
+            ).run([samples[i] for i in todo])
+        finally:
+            if recorder is not None:
+                recorder.flush()
         for k, pos in enumerate(todo):
             outcome = runner.outcomes[k]
             if outcome is None or k in runner.retryable:
@@ -410,6 +445,8 @@ def score_chunk(
             else:
                 done[pos] = outcome.to_dict()
         busy_s, circuit_open = runner.busy_s, breaker is not None and breaker.is_open()
+    if left and stop():
+        return _cancelled(done, list(left), stop(), backend, attempt)
     nxt = decide(
         len(left),
         attempt,
@@ -449,6 +486,26 @@ def score_chunk(
     return done
 
 
+def _skip_recorded(app, batch: str, indices: list[int], todo: list[int],
+                   done: list[dict | None]) -> list[int]:
+    """Fill `done` from the batch's records (samples an earlier run finished); what is left."""
+    try:
+        recorded = records.read(app.store, batch, [indices[pos] for pos in todo])
+    except (redis.RedisError, OSError):  # Redis away: calling again beats failing the task
+        return todo
+    for pos in todo:
+        if indices[pos] in recorded:
+            done[pos] = recorded[indices[pos]]
+    return [pos for pos in todo if done[pos] is None]
+
+
+def _cancelled(done: list[dict | None], positions: list[int], why: str | None, backend: str,
+               attempt: int) -> list[dict]:
+    for pos in positions:
+        done[pos] = Outcome.failed(Cancelled(why or "cancelled"), backend, attempt).to_dict()
+    return done  # type: ignore[return-value]
+
+
 def _requeued(app, queue: str, n: int) -> None:
     """The planner's count of samples waiting in `queue` (see capacity.py)."""
     if not app.qrq_config.embedded:
@@ -458,6 +515,31 @@ def _requeued(app, queue: str, n: int) -> None:
 def summary(backend: str, samples: list) -> dict[str, str]:
     """How a task's arguments show in Flower and logs: never the prompts themselves."""
     return {"argsrepr": f"({backend!r}, <{len(samples)} samples>)", "kwargsrepr": "{}"}
+
+
+_keeper = liveness.HeldKeeper(HELD_EVERY_S)
+
+
+def _new_keeper() -> None:
+    global _keeper
+    _keeper = liveness.HeldKeeper(HELD_EVERY_S)  # the parent's thread is not in the child
+
+
+os.register_at_fork(after_in_child=_new_keeper)
+
+
+def _held_while_running(task: Callable) -> Callable:
+    """Run `task` with its `qrq:held:` key said again while it runs (see HeldKeeper)."""
+
+    @wraps(task)
+    def run(self, *args, **kwargs):
+        if self.app.qrq_config.embedded or not self.request.id:
+            return task(self, *args, **kwargs)
+        with _keeper.holding(self.app.store, self.request.id, self.request.hostname,
+                             HELD_TTL_S):
+            return task(self, *args, **kwargs)
+
+    return run
 
 
 def register(app) -> None:
@@ -472,4 +554,4 @@ def register(app) -> None:
         default_retry_delay=2,
         Strategy="qreward_queue.dead_letter:checked_strategy",  # malformed bodies: dead letters
         resultrepr_maxsize=RESULT_REPR_CHARS,
-    )(score_chunk)
+    )(_held_while_running(score_chunk))
