@@ -24,6 +24,7 @@ from .breaker import CircuitBreaker
 from .config import Backend, Config
 from .lease import BatchWatch
 from .limiter import Limiter
+from .spend import Ledger
 
 kombu_fix.install()  # a Redis restart must not kill the worker (see kombu_fix)
 
@@ -40,6 +41,7 @@ class QrqCelery(Celery):
         self.qrq_config = config
         self._limiters: dict[str, Limiter | None] = {}
         self._breakers: dict[str, CircuitBreaker] = {}
+        self._ledgers: dict[str, Ledger] = {}
         self.conf.update(celery_settings(config))
         self.conf.task_queues = [
             Queue(b.queue, routing_key=b.queue) for b in config.backends.values()
@@ -67,6 +69,12 @@ class QrqCelery(Celery):
 
     def backend_config(self, name: str) -> Backend:
         return self.qrq_config.backend(name)
+
+    def ledger(self, name: str) -> Ledger:
+        """Backend `name`'s spend and budget, as this process's calls add to them."""
+        if name not in self._ledgers:
+            self._ledgers[name] = Ledger(self.store, self.backend_config(name))
+        return self._ledgers[name]
 
     def limiter(self, name: str) -> Limiter | None:
         """The global limiter of backend `name` (None when its file sets no limits)."""

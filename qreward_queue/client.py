@@ -21,7 +21,7 @@ import kombu.exceptions
 import redis
 from celery.states import READY_STATES
 
-from . import keys, lease, metrics, records
+from . import keys, lease, metrics, records, spend
 from .app import HEARTBEAT_S, PRIORITIES, QrqCelery
 from .cache import ScoreCache, content_key, reward_identity
 from .capacity import count_queued, queue_depth, route_shares
@@ -105,14 +105,20 @@ class RewardBatch:
 
     def summary(self) -> dict[str, Any]:
         """What a trainer logs per step once every outcome is in (`get()` returned):
-        `samples.summarize` of the outcomes, plus wall time from submit and the tasks
-        resubmitted after a lost worker."""
+        `samples.summarize` of the outcomes, plus wall time from submit, the tasks
+        resubmitted after a lost worker, and `spend`: per backend the calls made for this
+        batch, their tokens in and out (`estimated_calls`: replies without usage, counted at
+        their estimate) and, with a price in the backend file, their cost."""
         end = self._finished or time.monotonic()
+        spent: dict[str, dict[str, Any]] = {}
+        with contextlib.suppress(redis.RedisError, OSError):  # Redis away: no spend to show
+            spent = spend.batch_spend(self.app.store, self.batch_id)
         return {
             **summarize([o for o in self._outcomes if o is not None]),
             "samples": len(self._outcomes),
             "wall_s": round(end - self._started, 3),
             "resubmitted_tasks": self.resubmitted,
+            "spend": spent,
         }
 
     def partial(self) -> list[Outcome | None]:

@@ -12,7 +12,7 @@ import math
 import os
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -125,6 +125,29 @@ class Retry:
 
 
 @dataclass(frozen=True)
+class Price:
+    """What a backend charges per million tokens in and out (`[price]`); gives spend a cost."""
+
+    input_per_million: float = 0.0
+    output_per_million: float = 0.0
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The most a backend may spend (`[budget]`), shared by every worker through Redis: in
+    tokens (in + out) or cost (needs `[price]`), per UTC hour and/or in total; None: no cap."""
+
+    tokens_per_hour: float | None = None
+    tokens_total: float | None = None
+    cost_per_hour: float | None = None
+    cost_total: float | None = None
+
+    def limits(self) -> dict[str, float]:
+        """The caps that are set, by name."""
+        return {k: v for k, v in vars(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
 class Backend:
     """One endpoint or function: its own limits, its own queue `qrq.<name>`, its own pool."""
 
@@ -147,6 +170,8 @@ class Backend:
     limits: Limits = field(default_factory=Limits)
     pool: Pool = field(default_factory=Pool)
     retry: Retry = field(default_factory=Retry)
+    price: Price | None = None
+    budget: Budget | None = None
     source: str = "<memory>"
 
     @property
@@ -351,6 +376,24 @@ def _retry(t: _Table) -> Retry:
     return retry
 
 
+def _numbers_table(root: _Table, name: str, cls: type, default: float | None, **opts: bool):
+    """An optional table of numbers only (`[price]`, `[budget]`): None when absent."""
+    if name not in root.data:
+        return None
+    t = root.table(name)
+    value = cls(*(t.number(f.name, default, **opts) for f in fields(cls)))
+    t.finish()
+    return value
+
+
+def _budget(root: _Table) -> Budget | None:
+    budget = _numbers_table(root, "budget", Budget, None)
+    if budget is not None and not budget.limits():
+        raise ConfigError(f"{root.source}: budget: expected at least one of tokens_per_hour, "
+                          "tokens_total, cost_per_hour, cost_total")
+    return budget
+
+
 def load_backend(path: str | os.PathLike[str]) -> Backend:
     """Read one workers/<backend>.toml."""
     path = Path(path)
@@ -410,9 +453,14 @@ def load_backend(path: str | os.PathLike[str]) -> Backend:
         limits=_limits(root.table("limits")),
         pool=_pool(root.table("pool"), kind),
         retry=_retry(root.table("retry")),
+        price=_numbers_table(root, "price", Price, 0.0, allow_zero=True),
+        budget=_budget(root),
         source=str(path),
     )
     root.finish()
+    if backend.budget and {"cost_per_hour", "cost_total"} & set(backend.budget.limits()) \
+            and backend.price is None:
+        raise ConfigError(f"{path}: budget: a cost budget needs a [price] table")
     return backend
 
 

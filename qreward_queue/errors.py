@@ -9,7 +9,9 @@ QrqError
     ├── RetryableError     worth another try, here or on a sibling backend
     │   ├── RateLimited        HTTP 429 (carries Retry-After)
     │   ├── TransientError     timeout, connection error, 5xx
-    │   └── LimiterBusy        the global limiter cannot start the call soon: try again later
+    │   ├── LimiterBusy        the global limiter cannot start the call soon: try again later
+    │   └── BudgetExceeded     the call would pass the backend's budget: not made (a sibling
+    │                          backend may take the sample; if none, status "error")
     ├── PermanentError     other 4xx, unparseable verdict: retrying cannot help
     │   └── SampleTimeout      a reward function ran over its time limit: status "timeout"
     ├── DeadlineExceeded   the batch deadline passed first: outcome status "timeout"
@@ -102,6 +104,17 @@ class LimiterBusy(RetryableError):
         super().__init__(f"limiter busy ({reason}): next start in {wait_s:.3f} s")
         self.wait_s = wait_s
         self.reason = reason
+
+
+class BudgetExceeded(RetryableError):
+    """A call that would pass a cap of the backend's `[budget]` was not made."""
+
+    def __init__(self, backend: str, cap: str, limit: float, used: float, want: float) -> None:
+        super().__init__(
+            f"budget {cap} = {limit:g} of backend {backend!r} reached ({used:g} used, the call "
+            f"needs ~{want:g}): the call was not made"
+        )
+        self.cap = cap
 
 
 class DeadlineExceeded(ScoringError):

@@ -78,6 +78,19 @@ def breaker(backend: str) -> dict[str, str]:
     return {name: f"{tag}:{name}" for name in ("fails", "open", "tripped", "probe")}
 
 
+def spend(backend: str, hour: int | None = None) -> str:
+    """A backend's spend hash: the running total or, with `hour` (UTC hours since the epoch),
+    that hour's (kept 2 h). Fields: calls, tokens_in, tokens_out, estimated (calls whose reply
+    gave no usage: their estimate is counted), cost_micro (millionths of the price's unit);
+    an hour's also held_tokens, held_cost_micro (booked by calls in flight under a budget)."""
+    return f"{_tag(backend)}:spend" + ("" if hour is None else f":{hour}")
+
+
+def batch_spend(batch_id: str) -> str:
+    """One batch's spend per backend (fields `<backend>:<field>`), for its summary()."""
+    return f"{PREFIX}spend:{batch_id}"
+
+
 def cache_stats(route: str) -> str:
     """Hash counting one route's cache lookups and hits (for the Prometheus exporter)."""
     return f"{PREFIX}stats:cache:{route}"

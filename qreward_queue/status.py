@@ -1,4 +1,4 @@
-"""`qrq status`: what each backend's queue and limiter look like right now."""
+"""`qrq status`: what each backend's queue and limiter look like right now, and its spend."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ from .capacity import TYPICAL_BATCH, queue_depth, queue_depths
 from .config import Config
 from .liveness import live_workers
 from .routing import chunk_size
+from .spend import backend_spend
 
 
 def backend_rows(app: QrqCelery) -> list[dict]:
-    """One row per backend: queue depth plus the limiter's view (levels, leases, AIMD, 429s)."""
+    """One row per backend: queue depth plus the limiter's view (levels, leases, AIMD, 429s)
+    and its spend (total, this hour, each budget cap's use and what is left)."""
     rows = []
     for name, backend in app.qrq_config.backends.items():
         limiter = app.limiter(name)
@@ -24,6 +26,7 @@ def backend_rows(app: QrqCelery) -> list[dict]:
             "kind": backend.kind,
             "queued": queue_depth(app.store, backend.queue),
             "workers": len(live_workers(app.store, backend.queue)),
+            "spend": backend_spend(app.store, backend),
         }
         row.update(limiter.status() if limiter else {})
         rows.append(row)
@@ -92,7 +95,26 @@ def render_snapshot(snap: dict) -> str:
         )
     lines += [f"  {row['backend']}: a reply out of bounds (last 10 min): {row['bounded']}"
               for row in snap["backends"] if row.get("bounded")]
+    for row in snap["backends"]:
+        lines += render_spend(row["backend"], row["spend"])
     return "\n".join(lines)
+
+
+def render_spend(backend: str, spend: dict) -> list[str]:
+    """`<backend>: spent ...` and one line per budget cap (nothing for a backend never used)."""
+    total, hour = spend["total"], spend["this_hour"]
+    if not total["calls"] and not spend["budgets"]:
+        return []
+
+    def figures(f: dict) -> str:
+        estimated = f" ({f['estimated_calls']:,} estimated)" if f["estimated_calls"] else ""
+        return (f"{f['calls']:,} calls, {f['tokens_in']:,} tokens in, "
+                f"{f['tokens_out']:,} out{estimated}, cost {f['cost']:.4f}")
+
+    lines = [f"  {backend}: spent {figures(total)}; this hour {figures(hour)}"]
+    lines += [f"  {backend}: budget {cap} {b['limit']:,g}: {b['used']:,g} used, "
+              f"{b['left']:,g} left" for cap, b in spend["budgets"].items()]
+    return lines
 
 
 def render_status(config: Config, as_json: bool = False) -> str:

@@ -30,6 +30,7 @@ from .backends import BackendClient, Call, make_backend
 from .breaker import CircuitBreaker
 from .config import Backend, Retry
 from .errors import (
+    BudgetExceeded,
     Cancelled,
     DeadlineExceeded,
     LimiterBusy,
@@ -42,6 +43,7 @@ from .errors import (
 from .limiter import Grant, Limiter
 from .routing import failover_target
 from .samples import Outcome
+from .spend import Booking, Ledger, Usage
 
 TASK_NAME = "qrq.score_chunk"
 # The start of a chunk's outcomes that Flower and the task-succeeded event show: Celery walks
@@ -160,7 +162,8 @@ class ChunkRunner:
     the results of its chunk-mates still reach the client in time) and `retryable` the
     positions worth another try. `stop()` names why no new call may start (the batch was
     cancelled or its caller is gone; asked before each call), and `record(position, outcome)`
-    gets each final outcome as its call ends.
+    gets each final outcome as its call ends. Each call's tokens go to `ledger`, which also
+    refuses calls over the backend's budget (`over_budget` then says so).
     """
 
     def __init__(
@@ -173,11 +176,15 @@ class ChunkRunner:
         deadline: float | None = None,
         stop: Callable[[], str | None] = lambda: None,
         record: Callable[[int, Outcome], None] | None = None,
+        ledger: Ledger | None = None,
+        batch_id: str | None = None,
     ):
         self.config, self.limiter, self.breaker, self.attempt = config, limiter, breaker, attempt
         self.may_refuse = may_refuse  # an open circuit refuses calls only while siblings remain
         self.deadline = deadline
         self.stop, self.record = stop, record
+        self.ledger, self.batch_id = ledger, batch_id  # spend (and budget) of the calls
+        self.over_budget = False
         self.client = _client(config)
         self.busy_s: float | None = None
         self.outcomes: list[Outcome | None] = []
@@ -243,7 +250,7 @@ class ChunkRunner:
                     time.sleep(self._throttled_wait(exc, throttled))
                     continue
                 result: Call | ScoringError = exc
-            except Cancelled as exc:
+            except (Cancelled, BudgetExceeded) as exc:
                 result = exc
             except PermanentError as exc:
                 if len(positions) > 1:  # isolate the bad item: split, then each half on its own
@@ -292,17 +299,22 @@ class ChunkRunner:
                     self.breaker.release_probe()
                 raise
         name = self.config.name
-        started = time.monotonic()
         try:
             if grant is not None:
                 grant.wait()
                 metrics.record_limiter_wait(name, grant.wait_s)
-            stopped = self.stop()
-            if stopped:  # nobody waits for this call any more: it is never made
-                raise Cancelled(stopped)
-            started = time.monotonic()
+            booking = self._clearance(batch)
+        except BaseException as exc:  # the call is not made: its lease (and probe) go back
+            if grant is not None:
+                grant.finish()
+            if self.breaker is not None and isinstance(exc, ScoringError):
+                self.breaker.release_probe()
+            raise
+        started = time.monotonic()
+        try:
             call = self.client.call(batch)
         except ScoringError as exc:
+            self._spent(batch, None, booking, replied=200 <= (exc.status_code or 0) < 300)
             metrics.record_request(name, exc.status_code, time.monotonic() - started,
                                    "timeout" if exc.timed_out else "error")
             paused = self._learn(grant, exc.status_code, exc.headers, exc.timed_out,
@@ -311,14 +323,44 @@ class ChunkRunner:
                 exc.retry_after_s = 0.0
             raise
         except BaseException:
+            self._spent(batch, None, booking, replied=False)
             if grant is not None:
                 grant.finish()
             raise
+        self._spent(batch, call, booking, replied=True)
         metrics.record_request(name, call.status_code, time.monotonic() - started)
         if grant is not None and call.tokens is not None:
             grant.settle(actual_tokens=call.tokens)
         self._learn(grant, call.status_code, call.headers, False, failed=False)
         return call
+
+    def _clearance(self, batch: list[dict]) -> Booking | None:
+        """Whether the call may be made now: Cancelled when nobody waits for it any more,
+        BudgetExceeded when it would pass the backend's budget (else its booking)."""
+        stopped = self.stop()
+        if stopped:
+            raise Cancelled(stopped)
+        if self.ledger is None:
+            return None
+        try:
+            return self.ledger.book(Usage.estimate(*self.client.estimate_usage(batch)))
+        except BudgetExceeded:
+            self.over_budget = True
+            raise
+
+    def _spent(self, batch: list[dict], call: Call | None, booking: Booking | None,
+               replied: bool) -> None:
+        """Add the call's tokens to the spend: the reply's usage, else the estimate when the
+        backend answered (it may bill), else nothing (no reply: no usage known)."""
+        if self.ledger is None:
+            return
+        if call is not None and call.usage is not None:
+            usage = Usage(*call.usage)
+        elif replied:
+            usage = Usage.estimate(*self.client.estimate_usage(batch))
+        else:
+            usage = Usage(0, 0)
+        self.ledger.spent(usage, booking, self.batch_id)
 
     def _throttled_wait(self, exc: RateLimited, throttled: int) -> float:
         """A 429'd call's own wait: Retry-After (bounded), else a backoff without a limiter."""
@@ -433,9 +475,10 @@ def score_chunk(
         try:
             runner = ChunkRunner(
                 config, app.limiter(backend), breaker, attempt, bool(siblings), deadline,
-                stop, record,
+                stop, record, app.ledger(backend), batch,
             ).run([samples[i] for i in todo])
         finally:
+            app.ledger(backend).flush()
             if recorder is not None:
                 recorder.flush()
         for k, pos in enumerate(todo):
@@ -445,6 +488,11 @@ def score_chunk(
             else:
                 done[pos] = outcome.to_dict()
         busy_s, circuit_open = runner.busy_s, breaker is not None and breaker.is_open()
+        # over budget: a sibling may take the work at once; without one the budget's error
+        # stands (waiting here would not make the budget any larger)
+        circuit_open = circuit_open or runner.over_budget
+        if runner.over_budget and not siblings:
+            attempt = max(attempt, config.retry.attempts)
     if left and stop():
         return _cancelled(done, list(left), stop(), backend, attempt)
     nxt = decide(
