@@ -590,6 +590,9 @@ def _held_while_running(task: Callable) -> Callable:
     return run
 
 
+_task_body = _held_while_running(score_chunk)  # one function for every app: no "duplicate"
+
+
 def register(app) -> None:
     """Register the qrq tasks on `app` (every QrqCelery does this once)."""
     # score_chunk bounds its own retries (attempts, siblings, deadline); max_retries only stops
@@ -602,4 +605,4 @@ def register(app) -> None:
         default_retry_delay=2,
         Strategy="qreward_queue.dead_letter:checked_strategy",  # malformed bodies: dead letters
         resultrepr_maxsize=RESULT_REPR_CHARS,
-    )(_held_while_running(score_chunk))
+    )(_task_body)

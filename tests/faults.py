@@ -4,7 +4,8 @@ samples were lost. Used by tests/test_chaos.py (which asserts the bounds) and by
 benchmarks/duplicates.py (which prints the figures).
 
 Everything runs on a private redis-server without persistence (a restart loses all), three
-`qrq worker` processes of 8 calls each and a judge at ~100 ms a call (~240 samples/s).
+`qrq worker` processes of 6 calls each, chunks of 64 samples (as the planner makes them for a
+large batch) and a judge at ~100 ms a call (~180 samples/s).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def run_fault(fault: str, directory: Path, samples: int = SAMPLES) -> dict:
         stack.callback(server.kill)
         judge = stack.enter_context(spawn(MockJudgeSettings(latency_ms=100, latency_cv=0.2)))
         config_path = write_config(
-            directory, {"j": judge_backend(judge.url, concurrency=2, calls=8)},
+            directory, {"j": judge_backend(judge.url, concurrency=2, calls=6, chunk_size=64)},
             redis_url=server.url,
         )
         app = qreward_queue.configure(qreward_queue.load_config(config_path))
