@@ -358,7 +358,8 @@ class RewardBatch:
             for i in chunk.indices:
                 self._place(i, Outcome.failed(late))
         self._pending.clear()
-        self._done()
+        self._finished = time.monotonic()
+        lease.release(self.batch_id)  # no Redis write: it may be what made us late
 
     def _place(self, i: int, outcome: Outcome) -> None:
         """The one place an outcome gets its sample's id and, on failure, the fallback score;

@@ -91,6 +91,11 @@ def hold(owner: object, store: redis.Redis, batch_id: str, lease_s: float) -> No
     weakref.finalize(owner, _renewer.drop, batch_id)  # a batch nobody holds: let it lapse
 
 
+def release(batch_id: str) -> None:
+    """Stop renewing `batch_id`'s lease (it lapses; workers past the deadline stop anyway)."""
+    _renewer.drop(batch_id)
+
+
 def end(store: redis.Redis, batch_id: str, state: bytes, keep_s: float) -> None:
     """Stop renewing and tell workers why (`cancelled` or `done`), for `keep_s`."""
     _renewer.drop(batch_id)

@@ -356,7 +356,7 @@ class ChunkRunner:
             return
         if call is not None and call.usage is not None:
             usage = Usage(*call.usage)
-        elif replied:
+        elif replied and self.config.kind != "function":  # a function has no tokens
             usage = Usage.estimate(*self.client.estimate_usage(batch))
         else:
             usage = Usage(0, 0)

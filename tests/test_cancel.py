@@ -112,9 +112,12 @@ def test_cancelled_awaiters_cancel_the_batch_but_the_micro_batcher_keeps_the_res
     batch = qreward_queue.submit_batch(samples, route="j", app=app, deadline_s=120)
 
     async def await_then_cancel() -> None:
+        with pytest.raises(TimeoutError):  # a waiter that timed out cancels nothing...
+            await batch.outcomes_async(timeout=0.2)
         waiter = asyncio.ensure_future(batch.outcomes_async())
-        while requests(judge) < 20:
+        while requests(judge) < 20:  # ...the batch goes on
             await asyncio.sleep(0.05)
+        assert None in batch.partial()
         waiter.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiter
