@@ -24,6 +24,7 @@ from .breaker import CircuitBreaker
 from .config import Backend, Config
 from .lease import BatchWatch
 from .limiter import Limiter
+from .liveness import HEARTBEAT_S, HELD_TTL_S
 from .spend import Ledger
 
 kombu_fix.install()  # a Redis restart must not kill the worker (see kombu_fix)
@@ -168,9 +169,7 @@ def celery_settings(config: Config) -> dict:
     return settings
 
 
-HEARTBEAT_S = 5
 HEARTBEAT_TTL_S = 15
-HELD_TTL_S = 6 * 3600
 
 
 class _NoRetryState:

@@ -19,6 +19,8 @@ import redis
 from . import keys
 
 log = logging.getLogger("qreward_queue")
+HEARTBEAT_S = 5  # a worker's heartbeat, and a running task's `qrq:held:` key, every 5 s
+HELD_TTL_S = 6 * 3600
 CONSUMERS_TTL_S = 24 * 3600  # the set outlives any pause in heartbeats; refreshed by each beat
 CHECK_EVERY_S = 2.0
 

@@ -53,7 +53,6 @@ MAX_THROTTLED_CALLS = 20
 MAX_LIMITER_WAIT_S = 30.0
 MAX_TASK_RETRIES = 100
 RETURN_MARGIN_S = 0.5  # a chunk returns what it has this long before the batch deadline
-HELD_EVERY_S, HELD_TTL_S = 5.0, 6 * 3600  # as the workers' heartbeat and `qrq:held:` keys
 
 
 @cache
@@ -460,8 +459,9 @@ def score_chunk(
     if batch is not None and indices is not None and len(indices) == len(samples):
         todo = _skip_recorded(app, batch, indices, todo, done)
         recorder = records.Recorder(app.store, batch, deadline)
-    if stop():  # a queued chunk of a cancelled or abandoned batch: dropped, nothing called
-        return _cancelled(done, todo, stop(), backend, attempt)
+    why = stop()
+    if why:  # a queued chunk of a cancelled or abandoned batch: dropped, nothing called
+        return _cancelled(done, todo, why, backend, attempt)
     siblings = [b for b in (route or []) if b != backend and b not in (tried or [])]
     breaker = app.breaker(backend) if len(route or ()) > 1 else None
     left: dict[int, Outcome | None] = {}
@@ -493,8 +493,9 @@ def score_chunk(
         circuit_open = circuit_open or runner.over_budget
         if runner.over_budget and not siblings:
             attempt = max(attempt, config.retry.attempts)
-    if left and stop():
-        return _cancelled(done, list(left), stop(), backend, attempt)
+    why = stop() if left else None
+    if why:  # nobody waits for what is left: no retry, no failover
+        return _cancelled(done, list(left), why, backend, attempt)
     nxt = decide(
         len(left),
         attempt,
@@ -547,10 +548,10 @@ def _skip_recorded(app, batch: str, indices: list[int], todo: list[int],
     return [pos for pos in todo if done[pos] is None]
 
 
-def _cancelled(done: list[dict | None], positions: list[int], why: str | None, backend: str,
+def _cancelled(done: list[dict | None], positions: list[int], why: str, backend: str,
                attempt: int) -> list[dict]:
     for pos in positions:
-        done[pos] = Outcome.failed(Cancelled(why or "cancelled"), backend, attempt).to_dict()
+        done[pos] = Outcome.failed(Cancelled(why), backend, attempt).to_dict()
     return done  # type: ignore[return-value]
 
 
@@ -565,12 +566,12 @@ def summary(backend: str, samples: list) -> dict[str, str]:
     return {"argsrepr": f"({backend!r}, <{len(samples)} samples>)", "kwargsrepr": "{}"}
 
 
-_keeper = liveness.HeldKeeper(HELD_EVERY_S)
+_keeper = liveness.HeldKeeper(liveness.HEARTBEAT_S)
 
 
 def _new_keeper() -> None:
     global _keeper
-    _keeper = liveness.HeldKeeper(HELD_EVERY_S)  # the parent's thread is not in the child
+    _keeper = liveness.HeldKeeper(liveness.HEARTBEAT_S)  # the parent's thread is not in the child
 
 
 os.register_at_fork(after_in_child=_new_keeper)
@@ -584,7 +585,7 @@ def _held_while_running(task: Callable) -> Callable:
         if self.app.qrq_config.embedded or not self.request.id:
             return task(self, *args, **kwargs)
         with _keeper.holding(self.app.store, self.request.id, self.request.hostname,
-                             HELD_TTL_S):
+                             liveness.HELD_TTL_S):
             return task(self, *args, **kwargs)
 
     return run
