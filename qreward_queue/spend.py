@@ -94,8 +94,8 @@ class Ledger:
         self.store, self.backend = store, backend
         self._book = store.register_script(_BOOK) if backend.budget else None
         self._lock = threading.Lock()
-        self._adds: dict[tuple[str, str], int] = {}
-        self._expire: dict[str, int] = {}
+        self._tally: dict[tuple[int, str | None], list[int]] = {}  # (hour, batch) -> FIELDS
+        self._held: dict[int, list[int]] = {}  # hour -> bookings to give back (tokens, cost)
         self._last = time.monotonic()
 
     def book(self, estimate: Usage) -> Booking | None:
@@ -119,50 +119,54 @@ class Ledger:
 
     def spent(self, usage: Usage, booking: Booking | None, batch_id: str | None) -> None:
         """Add one call's usage (and give back its booking); written within FLUSH_EVERY_S."""
-        name = self.backend.name
-        values = {"calls": 1, "tokens_in": usage.tokens_in, "tokens_out": usage.tokens_out,
-                  "estimated": int(usage.estimated), "cost_micro": usage.cost_micro(self.backend)}
-        total, hour = keys.spend(name), keys.spend(name, hour_now())
+        values = (1, usage.tokens_in, usage.tokens_out, int(usage.estimated),
+                  usage.cost_micro(self.backend))
         with self._lock:
-            for field, value in values.items():
-                if value:
-                    for key in (total, hour):
-                        self._add(key, field, value)
-                    if batch_id is not None:
-                        self._add(keys.batch_spend(batch_id), f"{name}:{field}", value)
-            self._expire[hour] = HOUR_KEEP_S
-            if batch_id is not None:
-                self._expire[keys.batch_spend(batch_id)] = BATCH_KEEP_S
+            tally = self._tally.setdefault((hour_now(), batch_id), [0] * len(FIELDS))
+            for k, value in enumerate(values):
+                tally[k] += value
             if booking is not None:
-                held = keys.spend(name, booking.hour)
-                self._add(held, "held_tokens", -booking.tokens)
-                self._add(held, "held_cost_micro", -booking.cost_micro)
+                held = self._held.setdefault(booking.hour, [0, 0])
+                held[0] += booking.tokens
+                held[1] += booking.cost_micro
         if time.monotonic() - self._last >= FLUSH_EVERY_S:
             self.flush()
-
-    def _add(self, key: str, field: str, value: int) -> None:
-        self._adds[key, field] = self._adds.get((key, field), 0) + value
 
     def flush(self) -> None:
         """Write what was added (one round trip); kept for the next flush if Redis is away."""
         with self._lock:
-            adds, expire, self._adds, self._expire = self._adds, self._expire, {}, {}
+            tally, held, self._tally, self._held = self._tally, self._held, {}, {}
             self._last = time.monotonic()
-        if not adds:
+        if not tally and not held:
             return
+        name = self.backend.name
         try:
             with self.store.pipeline(transaction=False) as pipe:
-                for (key, field), value in adds.items():
-                    if value:
-                        pipe.hincrby(key, field, value)
-                for key, ttl in expire.items():
-                    pipe.expire(key, ttl)
+                for (hour, batch_id), values in tally.items():
+                    targets = [(keys.spend(name), ""), (keys.spend(name, hour), "")]
+                    if batch_id is not None:
+                        targets.append((keys.batch_spend(batch_id), f"{name}:"))
+                    for key, prefix in targets:
+                        for field, value in zip(FIELDS, values, strict=True):
+                            if value:
+                                pipe.hincrby(key, prefix + field, value)
+                    pipe.expire(keys.spend(name, hour), HOUR_KEEP_S)
+                    if batch_id is not None:
+                        pipe.expire(keys.batch_spend(batch_id), BATCH_KEEP_S)
+                for hour, (tokens, cost) in held.items():  # the bookings these calls held
+                    pipe.hincrby(keys.spend(name, hour), "held_tokens", -tokens)
+                    pipe.hincrby(keys.spend(name, hour), "held_cost_micro", -cost)
                 pipe.execute()
         except (redis.RedisError, OSError):
             with self._lock:
-                for (key, field), value in adds.items():
-                    self._add(key, field, value)
-                self._expire.update(expire)
+                for key, values in tally.items():
+                    mine = self._tally.setdefault(key, [0] * len(FIELDS))
+                    for k, value in enumerate(values):
+                        mine[k] += value
+                for hour, (tokens, cost) in held.items():
+                    mine = self._held.setdefault(hour, [0, 0])
+                    mine[0] += tokens
+                    mine[1] += cost
 
 
 def _cap_arg(budget: Budget, name: str) -> str:
