@@ -16,6 +16,7 @@ import os
 import threading
 import time
 import weakref
+from typing import Any
 
 import redis
 
@@ -32,13 +33,26 @@ def key_ttl_ms(lease_s: float) -> int:
     return int(max(1.0, lease_s - CONFIRM_S) * 1000)
 
 
+# Renew leases still `live` (or lapsed): one that says `cancelled` or `done` stays so, even
+# when the renewal raced the cancel.
+_RENEW = """
+for i, key in ipairs(KEYS) do
+  local state = redis.call('GET', key)
+  if state ~= 'cancelled' and state ~= 'done' then
+    redis.call('SET', key, 'live', 'PX', ARGV[i])
+  end
+end
+return 0
+"""
+
+
 class _Renewer:
-    """The process's lease keeper: one thread renews every held lease in one pipeline."""
+    """The process's lease keeper: one thread renews every held lease, one Lua call a store."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._wake = threading.Event()
         self._held: dict[str, tuple[redis.Redis, int]] = {}
+        self._scripts: dict[int, Any] = {}
         self._thread: threading.Thread | None = None
 
     def hold(self, store: redis.Redis, batch_id: str, lease_s: float) -> None:
@@ -46,6 +60,7 @@ class _Renewer:
         store.set(keys.lease(batch_id), LIVE, px=ttl_ms)
         with self._lock:
             self._held[batch_id] = (store, ttl_ms)
+            self._scripts.setdefault(id(store), store.register_script(_RENEW))
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="qrq-lease", daemon=True)
                 self._thread.start()
@@ -58,20 +73,18 @@ class _Renewer:
         while True:
             with self._lock:
                 held = list(self._held.items())
+                scripts = dict(self._scripts)
             wait = min((ttl / 3000 for _, (_, ttl) in held), default=1.0)
-            by_store: dict[int, list[tuple[str, redis.Redis, int]]] = {}
+            by_store: dict[int, list[tuple[str, int]]] = {}
             for batch_id, (store, ttl) in held:
-                by_store.setdefault(id(store), []).append((batch_id, store, ttl))
-            for group in by_store.values():
+                by_store.setdefault(id(store), []).append((batch_id, ttl))
+            for store_id, group in by_store.items():
                 try:
-                    with group[0][1].pipeline(transaction=False) as pipe:
-                        for batch_id, _, ttl in group:
-                            pipe.set(keys.lease(batch_id), LIVE, px=ttl)
-                        pipe.execute()
+                    scripts[store_id](keys=[keys.lease(b) for b, _ in group],
+                                      args=[ttl for _, ttl in group])
                 except _REDIS_DOWN:  # Redis away: try again soon, so a restart costs nothing
                     wait = RETRY_S
-            self._wake.wait(min(wait, 5.0))
-            self._wake.clear()
+            time.sleep(min(wait, 5.0))
 
 
 _renewer = _Renewer()
