@@ -32,6 +32,7 @@ from .mock_judge import mock_judge_cli
 from .runtime import check_redis, describe_mode, redis_problem
 
 EXIT_SOME_NOT_SCORED, EXIT_USAGE, EXIT_NONE_SCORED = 1, 2, 3
+EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
 _CONFIG_META = "qrq.config"
 
 
@@ -138,7 +139,8 @@ def score(input_file, output, route, priority, deadline_s, config_path) -> None:
     object) and "id" (carried back on the outcome).
 
     Exit status: 0 every sample scored (ok or cached), 1 some were not (error, timeout), 3 none
-    was, 2 nothing ran (usage, configuration, Redis unreachable).
+    was, 2 nothing ran (usage, configuration, Redis unreachable), 130 interrupted (Ctrl-C: what
+    was scored is written, the rest as cancelled, and no further judge call is made).
     """
     from tqdm import tqdm
 
@@ -149,12 +151,17 @@ def score(input_file, output, route, priority, deadline_s, config_path) -> None:
     click.echo(describe_mode(config), err=True)
     app = configure(config)
     samples, lines, unreadable = read_jsonl(input_file)
+    interrupted = False
     try:
         batch = submit_batch(samples, route, priority, deadline_s, on_invalid="outcome", app=app)
         with tqdm(total=len(batch), unit="sample", file=sys.stderr, disable=None) as bar:
-            while not batch.done() and time.time() < batch.deadline:
-                bar.update(batch.completed - bar.n)
-                time.sleep(0.2)
+            try:
+                while not batch.done() and time.time() < batch.deadline:
+                    bar.update(batch.completed - bar.n)
+                    time.sleep(0.2)
+            except KeyboardInterrupt:
+                batch.cancel()
+                interrupted = True
             outcomes = batch.outcomes()
             bar.update(len(batch) - bar.n)
     finally:
@@ -168,7 +175,7 @@ def score(input_file, output, route, priority, deadline_s, config_path) -> None:
     output.flush()
     summary, code = summarize(outcomes)
     click.echo(summary, err=True)
-    sys.exit(code)
+    sys.exit(EXIT_INTERRUPTED if interrupted else code)
 
 
 def summarize(outcomes: list) -> tuple[str, int]:

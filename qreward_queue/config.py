@@ -13,7 +13,7 @@ import os
 import re
 import sys
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -126,6 +126,29 @@ class Retry:
 
 
 @dataclass(frozen=True)
+class Price:
+    """What a backend charges per million tokens in and out (`[price]`); gives spend a cost."""
+
+    input_per_million: float = 0.0
+    output_per_million: float = 0.0
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The most a backend may spend (`[budget]`), shared by every worker through Redis: in
+    tokens (in + out) or cost (needs `[price]`), per UTC hour and/or in total; None: no cap."""
+
+    tokens_per_hour: float | None = None
+    tokens_total: float | None = None
+    cost_per_hour: float | None = None
+    cost_total: float | None = None
+
+    def limits(self) -> dict[str, float]:
+        """The caps that are set, by name."""
+        return {k: v for k, v in vars(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
 class Backend:
     """One endpoint or function: its own limits, its own queue `qrq.<name>`, its own pool."""
 
@@ -148,6 +171,8 @@ class Backend:
     limits: Limits = field(default_factory=Limits)
     pool: Pool = field(default_factory=Pool)
     retry: Retry = field(default_factory=Retry)
+    price: Price | None = None
+    budget: Budget | None = None
     source: str = "<memory>"
 
     @property
@@ -199,6 +224,7 @@ class Config:
     max_sample_bytes: int = 1 << 20
     result_expires_s: int = 6 * 3600
     visibility_timeout_s: int = 900
+    lease_s: float = 15.0  # workers stop calling for a batch this long after its client died
     source: str = "<memory>"
 
     @property
@@ -381,6 +407,21 @@ def _retry(t: _Table) -> Retry:
     return retry
 
 
+def _numbers(t: _Table, cls: type, default: float | None, **opts: bool):
+    """A table of numbers only (`[price]`, `[budget]`): one per field of `cls`."""
+    value = cls(*(t.number(f.name, default, **opts) for f in fields(cls)))
+    t.finish()
+    return value
+
+
+def _budget(t: _Table) -> Budget:
+    budget = _numbers(t, Budget, None)
+    if not budget.limits():
+        raise ConfigError(f"{t.source}: budget: expected at least one of tokens_per_hour, "
+                          "tokens_total, cost_per_hour, cost_total")
+    return budget
+
+
 def load_backend(path: str | os.PathLike[str]) -> Backend:
     """Read one workers/<backend>.toml; every problem in it is reported in one ConfigError."""
     path = Path(path)
@@ -391,9 +432,15 @@ def load_backend(path: str | os.PathLike[str]) -> Backend:
     limits = root.section("limits", _limits)
     pool = root.section("pool", _pool, kind if kind in KINDS else "judge")
     retry = root.section("retry", _retry)
+    price = root.section("price", _numbers, Price, 0.0, allow_zero=True) \
+        if "price" in root.data else None
+    budget = root.section("budget", _budget) if "budget" in root.data else None
+    if budget and {"cost_per_hour", "cost_total"} & set(budget.limits()) and price is None:
+        root.note(ConfigError(f"{path}: budget: a cost budget needs a [price] table"))
     root.finish()
     root.check()
-    return Backend(**values, limits=limits, pool=pool, retry=retry, source=str(path))
+    return Backend(**values, limits=limits, pool=pool, retry=retry, price=price, budget=budget,
+                   source=str(path))
 
 
 def _backend_values(b: _Table, path: Path) -> dict[str, Any]:
@@ -595,6 +642,7 @@ def load_config(
         max_sample_bytes=d.integer("max_sample_bytes", 1 << 20),
         result_expires_s=d.integer("result_expires_s", 6 * 3600),
         visibility_timeout_s=d.integer("visibility_timeout_s", 900),
+        lease_s=d.number("lease_s", 15.0),
         source=str(path),
     )
     d.finish()

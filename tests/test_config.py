@@ -465,3 +465,26 @@ def test_every_problem_of_a_file_is_reported_at_once(tmp_path):
                  "pool.calls: expected an integer >= 1, got 0"):
         assert part in message
     assert message.count(str(file)) == 1 and "\n" not in message
+
+
+@pytest.mark.parametrize("tables, expected", [
+    ("[budget]\n", "budget: expected at least one of tokens_per_hour"),
+    ("[budget]\ncost_total = 5\n", "budget: a cost budget needs a [price] table"),
+    ("[budget]\ntokens_total = -1\n", "budget.tokens_total: expected a positive number"),
+    ("[price]\ninput_per_million = 1\nper_call = 2\n", "price.per_call"),
+])
+def test_price_and_budget_mistakes_name_file_and_key(tmp_path, tables, expected):
+    path = write_backend(tmp_path, "j", JUDGE + tables)
+    message = config_error(load_backend, path)
+    assert str(path) in message and expected in message, message
+
+
+def test_price_and_budget_load(tmp_path):
+    from qreward_queue.config import Budget, Price
+
+    backend = load_backend(write_backend(tmp_path, "j", JUDGE + (
+        "[price]\ninput_per_million = 0.15\noutput_per_million = 0.6\n"
+        "[budget]\ntokens_per_hour = 1000000\ncost_total = 25\n")))
+    assert backend.price == Price(0.15, 0.6)
+    assert backend.budget == Budget(tokens_per_hour=1e6, cost_total=25.0)
+    assert backend.budget.limits() == {"tokens_per_hour": 1e6, "cost_total": 25.0}
