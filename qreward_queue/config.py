@@ -414,6 +414,10 @@ def _numbers(t: _Table, cls: type, default: float | None, **opts: bool):
     return value
 
 
+def _price(t: _Table) -> Price:
+    return _numbers(t, Price, 0.0, allow_zero=True)
+
+
 def _budget(t: _Table) -> Budget:
     budget = _numbers(t, Budget, None)
     if not budget.limits():
@@ -432,8 +436,7 @@ def load_backend(path: str | os.PathLike[str]) -> Backend:
     limits = root.section("limits", _limits)
     pool = root.section("pool", _pool, kind if kind in KINDS else "judge")
     retry = root.section("retry", _retry)
-    price = root.section("price", _numbers, Price, 0.0, allow_zero=True) \
-        if "price" in root.data else None
+    price = root.section("price", _price) if "price" in root.data else None
     budget = root.section("budget", _budget) if "budget" in root.data else None
     if budget and {"cost_per_hour", "cost_total"} & set(budget.limits()) and price is None:
         root.note(ConfigError(f"{path}: budget: a cost budget needs a [price] table"))
