@@ -1,11 +1,16 @@
-"""Runs inside the sandbox (stdlib only): every test case of one program, one fork per case.
+"""Runs inside the sandbox (stdlib only): every test case of one program, one process per case.
 
-Reads a JSON spec on stdin, prepares itself (private tmp, rlimits, an unprivileged uid when it
-starts as root), then forks one child per test case: the child gets the case's input on stdin,
-its own process group, a CPU limit, and runs the program; the harness collects what it printed
-(capped) or returned, and kills the child's group when the case is over or over its time.
-Expected outputs never enter the sandbox: a program cannot read them from memory; the caller
-compares. Writes one JSON object per case to stdout, one per line.
+Protocol on stdin: frames of 10 ASCII digits (the length) and a JSON document: first the
+spec (code, limits, how to set up), then one case at a time ({"input"} or {"fn_name",
+"args"}), read only when that case starts: no later case's input is ever in memory a program
+could read. On stdout, one JSON line each: {"ready": ...} once set up (or {"fatal": why}),
+{"start": k} as case k starts, then the case's outcome.
+
+The harness keeps its privileges (root, or root of its own user namespace) and never touches
+a path after set-up. Each case runs as pid 1 of a PID namespace of its own (the case cannot
+see, signal or ptrace the harness, and when the case's first process ends the kernel kills
+everything it started), unprivileged (its own uid, or no capabilities at all), with its input
+in a memfd and its output in pipes. Expected outputs never enter the sandbox.
 """
 
 import contextlib
@@ -19,79 +24,145 @@ import sys
 import time
 import traceback
 
-PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 1, 4, 38
+CLONE_NEWPID = 0x20000000
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP = 1, 4, 24
+PR_SET_SECUREBITS, PR_SET_NO_NEW_PRIVS, PR_SET_CHILD_SUBREAPER, PR_CAP_AMBIENT = 27, 38, 36, 47
+MS_RDONLY, MS_NOSUID, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 32, 4096, 16384
+MNT_DETACH = 2
+DEVICES = ("null", "zero", "full", "random", "urandom")
+libc = ctypes.CDLL(None, use_errno=True)
+
+
+def check(result, what):
+    if result != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def read_frame():
+    """One frame from stdin, read without buffering ahead."""
+    head = read_exactly(10)
+    return json.loads(read_exactly(int(head))) if head else None
+
+
+def read_exactly(n):
+    data = b""
+    while len(data) < n:
+        chunk = os.read(0, n - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
 
 
 def prepare(spec):
-    """Private tmp (unshare mode), a work dir, rlimits, then drop root for good."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if spec.get("mount_tmp") and libc.mount(b"tmpfs", b"/tmp", b"tmpfs", 0, b"size=64m") != 0:
-        raise OSError(ctypes.get_errno(), "mounting a private /tmp failed")
+    """The unshare mechanism's own root; the harness's own protections."""
+    if spec.get("root"):
+        build_root(spec["root"])
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # a case's first process comes back to us
+    libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
     work = spec["work"]
     os.makedirs(work, exist_ok=True)
-    uid = spec.get("uid")
-    if uid is not None and os.getuid() == 0:
-        os.chown(work, uid, uid)
+    if spec.get("uid") is not None:
+        os.chown(work, spec["uid"], spec["uid"])
     os.chdir(work)
-    limits = spec["limits"]
-    for name, value in (
-        ("RLIMIT_AS", limits["memory_mb"] * 2**20),
-        ("RLIMIT_NPROC", limits["processes"]),
-        ("RLIMIT_FSIZE", limits["file_mb"] * 2**20),
-        ("RLIMIT_NOFILE", limits["open_files"]),
-        ("RLIMIT_CORE", 0),
-    ):
-        resource.setrlimit(getattr(resource, name), (value, value))
-    if uid is not None and os.getuid() == 0:
-        os.setgroups([])
-        os.setgid(uid)
-        os.setuid(uid)
-    libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-    libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # a test case may not ptrace the harness
+
+
+def build_root(root):
+    """What bwrap gives, for `unshare`: a size-capped tmpfs as /, the system directories bound
+    read-only, a few device nodes, private /tmp, /var/tmp and /dev/shm; the host's tree gone."""
+    new = root["at"]
+    check(libc.mount(b"tmpfs", new.encode(), b"tmpfs", MS_NOSUID, root["tmpfs"].encode()), "tmpfs")
+    os.umask(0)
+    for path in root["binds"]:
+        target = new + path
+        if os.path.islink(path):
+            os.makedirs(os.path.dirname(target), 0o755, exist_ok=True)
+            os.symlink(os.readlink(path), target)
+            continue
+        os.makedirs(target, 0o755, exist_ok=True)
+        bind(path, target, read_only=True)
+    for name in ("tmp", "var/tmp", "dev/shm"):
+        os.makedirs(f"{new}/{name}", 0o1777, exist_ok=True)
+        os.chmod(f"{new}/{name}", 0o1777)
+    for name in DEVICES:
+        os.close(os.open(f"{new}/dev/{name}", os.O_CREAT | os.O_WRONLY, 0o666))
+        bind(f"/dev/{name}", f"{new}/dev/{name}", read_only=False)
+    os.makedirs(f"{new}/.old", 0o700)
+    check(libc.syscall(155, new.encode(), f"{new}/.old".encode()), "pivot_root")  # x86_64
+    os.chdir("/")
+    check(libc.umount2(b"/.old", MNT_DETACH), "umount old root")
+    os.rmdir("/.old")
+    os.umask(0o022)
+
+
+def bind(source, target, read_only):
+    check(libc.mount(source.encode(), target.encode(), None, MS_BIND | MS_REC, None), "bind")
+    if read_only:  # keep the flags the kernel locks (nosuid, nodev, ...) of the source mount
+        kept = os.statvfs(source).f_flag & (2 | 4 | 8 | 1024 | 2048)
+        flags = MS_REMOUNT | MS_BIND | MS_RDONLY | kept
+        if os.statvfs(source).f_flag & 4096:  # ST_RELATIME
+            flags |= 1 << 21
+        check(libc.mount(None, target.encode(), None, flags, None), "read-only bind")
 
 
 def run_case(spec, case, index):
-    """Fork, run one case in the child, collect its output in the parent."""
-    in_path = f"in{index}"
-    with open(in_path, "w") as fh:
-        fh.write(case.get("input", ""))
-    out_r, out_w = os.pipe()
-    res_r, res_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(out_r)
-        os.close(res_r)
-        child(spec, case, in_path, out_w, res_w)
-    os.close(out_w)
-    os.close(res_w)
-    outcome = collect(pid, out_r, res_r, spec["case_s"], spec["output_bytes"])
-    os.close(out_r)
-    os.close(res_r)
+    """Start the case in a new PID namespace, collect what it printed (capped) or returned."""
+    stdin = os.memfd_create(f"in{index}")
+    os.write(stdin, case.get("input", "").encode())
+    os.lseek(stdin, 0, os.SEEK_SET)
+    pipes = [os.pipe() for _ in range(4)]  # stdout, result, stderr, the case's pid
+    keeper = os.fork()
+    if keeper == 0:  # only its children enter the new namespace: the case is pid 1 there
+        code = 1
+        try:
+            if spec["pidns"]:
+                check(libc.unshare(CLONE_NEWPID), "a PID namespace for the case")
+            pid = os.fork()
+            if pid == 0:
+                child(spec, case, stdin, pipes)
+            os.write(pipes[3][1], str(pid).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    for _, w in pipes:
+        os.close(w)
+    os.close(stdin)
+    os.waitpid(keeper, 0)
+    got = os.read(pipes[3][0], 32)
+    os.close(pipes[3][0])
+    if not got:
+        for r, _ in pipes[:3]:
+            os.close(r)
+        raise OSError("the case's process could not be started")
+    outcome = collect(int(got), [r for r, _ in pipes[:3]], spec)
+    for r, _ in pipes[:3]:
+        os.close(r)
     return outcome
 
 
-def child(spec, case, in_path, out_w, res_w):
-    """The test case's process: never returns."""
+def child(spec, case, stdin, pipes):
+    """The test case's process (pid 1 of its namespace): never returns."""
     code = 1
     try:
-        os.setpgid(0, 0)
-        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        cpu = int(spec["case_s"]) + 1
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-        stdin = os.open(in_path, os.O_RDONLY)
+        out_w, res_w, err_w = pipes[0][1], pipes[1][1], pipes[2][1]
+        if not spec["pidns"]:
+            os.setpgid(0, 0)
         os.dup2(stdin, 0)
         os.dup2(out_w, 1)
-        err = os.open("stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.dup2(err, 2)
+        os.dup2(err_w, 2)
+        os.dup2(res_w, 3)
+        os.closerange(4, 1 << 16)
+        limit(spec)
         sys.stdin = open(0, closefd=False)  # noqa: SIM115
         sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
         sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+        dumps = json.dumps  # taken before the program can replace it
         namespace = {"__name__": "__main__" if "fn_name" not in case else "solution"}
         try:
             exec(compile(spec["code"], "<solution>", "exec"), namespace)
             if "fn_name" in case:
-                value = call(namespace, case)
-                os.write(res_w, json.dumps(value).encode())
+                os.write(3, dumps(call(namespace, case)).encode())
             code = 0
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -102,6 +173,35 @@ def child(spec, case, in_path, out_w, res_w):
         sys.stderr.flush()
     finally:
         os._exit(code)
+
+
+def limit(spec):
+    """rlimits, then no privilege at all: the sandbox's uid, or no capabilities."""
+    limits = spec["limits"]
+    cpu = int(limits["case_s"]) + 1
+    for name, value in (
+        ("RLIMIT_AS", limits["memory_mb"] * 2**20),
+        ("RLIMIT_NPROC", spec["nproc"]),
+        ("RLIMIT_FSIZE", limits["file_mb"] * 2**20),
+        ("RLIMIT_NOFILE", limits["open_files"]),
+        ("RLIMIT_CORE", 0),
+        ("RLIMIT_CPU", cpu),
+    ):
+        resource.setrlimit(getattr(resource, name), (value, value))
+    uid = spec.get("uid")
+    if spec["drop"] == "uid":
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+    elif spec["drop"] == "caps":  # root of a user namespace: drop every capability, for good
+        check(libc.prctl(PR_SET_SECUREBITS, 0x2F, 0, 0, 0), "securebits")
+        for cap in range(64):
+            if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+                break
+        libc.prctl(PR_CAP_AMBIENT, 4, 0, 0, 0)
+        header = (ctypes.c_uint32 * 2)(0x20080522, 0)
+        check(libc.capset(header, (ctypes.c_uint32 * 6)()), "capset")
+    check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
 
 
 def call(namespace, case):
@@ -115,12 +215,15 @@ def call(namespace, case):
     return target(*case.get("args", []))
 
 
-def collect(pid, out_r, res_r, case_s, cap):
-    """Read the child's stdout (capped) until it exits or runs out of time; kill its group."""
+def collect(pid, fds, spec):
+    """Read stdout/result (capped) and stderr (its tail) until the case ends or runs out of
+    time; then kill its namespace (killing its pid 1 kills everything in it)."""
+    case_s, cap = spec["limits"]["case_s"], spec["limits"]["output_bytes"]
     started = time.monotonic()
-    chunks, size, status = [], 0, None
-    open_fds = [out_r, res_r]
-    result = b""
+    done = os.pidfd_open(pid)
+    data = {fd: b"" for fd in fds}
+    status = None
+    open_fds = [*fds, done]
     while open_fds:
         left = started + case_s - time.monotonic()
         if left <= 0:
@@ -128,53 +231,67 @@ def collect(pid, out_r, res_r, case_s, cap):
             break
         ready, _, _ = select.select(open_fds, [], [], left)
         for fd in ready:
-            data = os.read(fd, 65536)
-            if not data:
+            if fd == done:  # pid 1 ended: the kernel kills the rest; read what is left
                 open_fds.remove(fd)
-            elif fd == out_r:
-                chunks.append(data)
-                size += len(data)
-            else:
-                result += data[: cap - len(result)]
-        if size > cap:
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                open_fds.remove(fd)
+                continue
+            data[fd] += chunk
+            if fd == fds[2]:
+                data[fd] = data[fd][-2000:]
+        if len(data[fds[0]]) > cap or len(data[fds[1]]) > cap:
             status = "output_limit"
             break
-    with contextlib.suppress(ProcessLookupError):  # the case and whatever it left running
-        os.killpg(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        (os.kill if spec["pidns"] else os.killpg)(pid, signal.SIGKILL)
     _, wait_status = os.waitpid(pid, 0)
+    os.close(done)
     code = os.waitstatus_to_exitcode(wait_status)
     out = {"status": status, "exit": code, "s": round(time.monotonic() - started, 3)}
-    out["stdout"] = b"".join(chunks)[:cap].decode("utf-8", "replace")
-    if result:
-        out["result"] = result.decode("utf-8", "replace")
+    out["stdout"] = data[fds[0]][:cap].decode("utf-8", "replace")
+    if data[fds[1]]:
+        out["result"] = data[fds[1]][:cap].decode("utf-8", "replace")
     if status is None:
         out["status"] = "ok" if code == 0 else "error"
         if code != 0:
-            out["error"] = describe(code)
+            out["error"] = describe(code, data[fds[2]])
     return out
 
 
-def describe(code):
-    try:
-        with open("stderr", "rb") as fh:
-            tail = fh.read()[-600:].decode("utf-8", "replace").strip()
-    except OSError:
-        tail = ""
+def describe(code, stderr):
+    tail = stderr[-600:].decode("utf-8", "replace").strip()
     head = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
     return f"{head}: {tail}" if tail else head
 
 
+def emit(message):
+    os.write(1, (json.dumps(message) + "\n").encode())
+
+
 def main():
-    spec = json.loads(sys.stdin.read())
-    prepare(spec)
-    timed_out = False
-    for index, case in enumerate(spec["tests"]):
-        if timed_out:  # a program that hung once would hang again: skip its remaining cases
-            outcome = {"status": "skipped", "error": "not run: an earlier case timed out"}
-        else:
-            outcome = run_case(spec, case, index)
-            timed_out = outcome["status"] == "timeout"
-        print(json.dumps(outcome), flush=True)
+    spec = read_frame()
+    try:
+        prepare(spec)
+    except Exception as exc:  # the sandbox itself is broken: the host says `error`
+        emit({"fatal": f"{type(exc).__name__}: {exc}"})
+        return
+    emit({"ready": os.getpid()})
+    deadline = time.monotonic() + spec["limits"]["time_s"]
+    skip = None
+    for index in range(spec["cases"]):
+        case = read_frame()
+        if skip is None and time.monotonic() >= deadline:
+            skip = f"not run: the program used up the run's {spec['limits']['time_s']:g} s"
+        if skip is not None:
+            emit({"status": "skipped", "error": skip})
+            continue
+        emit({"start": index})
+        outcome = run_case(spec, case, index)
+        if outcome["status"] == "timeout":  # it would hang again: skip the remaining cases
+            skip = "not run: an earlier case ran over its time limit"
+        emit(outcome)
 
 
 if __name__ == "__main__":
