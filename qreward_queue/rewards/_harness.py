@@ -15,6 +15,7 @@ in a memfd and its output in pipes. Expected outputs never enter the sandbox.
 
 import contextlib
 import ctypes
+import fcntl
 import json
 import os
 import resource
@@ -111,7 +112,7 @@ def run_case(spec, case, index):
     stdin = os.memfd_create(f"in{index}")
     os.write(stdin, case.get("input", "").encode())
     os.lseek(stdin, 0, os.SEEK_SET)
-    pipes = [os.pipe() for _ in range(4)]  # stdout, result, stderr, the case's pid
+    pipes = [os.pipe() for _ in range(5)]  # stdout, result, stderr, the init's pid, status
     keeper = os.fork()
     if keeper == 0:  # only its children enter the new namespace: the case is pid 1 there
         code = 1
@@ -132,28 +133,45 @@ def run_case(spec, case, index):
     got = os.read(pipes[3][0], 32)
     os.close(pipes[3][0])
     if not got:
-        for r, _ in pipes[:3]:
-            os.close(r)
         raise OSError("the case's process could not be started")
-    outcome = collect(int(got), [r for r, _ in pipes[:3]], spec)
-    for r, _ in pipes[:3]:
+    outcome = collect(int(got), [r for r, _ in pipes[:3]], pipes[4][0], spec)
+    for r, _ in (*pipes[:3], pipes[4]):
         os.close(r)
     return outcome
 
 
 def child(spec, case, stdin, pipes):
-    """The test case's process (pid 1 of its namespace): never returns."""
+    """The case's init (pid 1 of its namespace): drops privileges, starts the program, tells
+    the harness how it ended; when it exits the kernel kills whatever the program left."""
     code = 1
     try:
-        out_w, res_w, err_w = pipes[0][1], pipes[1][1], pipes[2][1]
-        if not spec["pidns"]:
-            os.setpgid(0, 0)
-        os.dup2(stdin, 0)
-        os.dup2(out_w, 1)
-        os.dup2(err_w, 2)
-        os.dup2(res_w, 3)
-        os.closerange(4, 1 << 16)
+        os.setsid()  # a group of its own: kill(0) from the program cannot reach the harness
+        wanted = (stdin, pipes[0][1], pipes[2][1], pipes[1][1], pipes[4][1])  # as fds 0-4
+        high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 1000) for fd in wanted]
+        for target, fd in enumerate(high):
+            os.dup2(fd, target)
+        os.closerange(5, 1 << 16)
         limit(spec)
+        program = os.fork()
+        if program == 0:
+            os.close(4)
+            run_program(spec, case)
+        for fd in range(4):
+            os.close(fd)
+        while True:
+            pid, status = os.waitpid(-1, 0)
+            if pid == program:
+                break
+        os.write(4, str(status).encode())
+        code = 0
+    finally:
+        os._exit(code)
+
+
+def run_program(spec, case):
+    """The program's process: never returns."""
+    code = 1
+    try:
         sys.stdin = open(0, closefd=False)  # noqa: SIM115
         sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
         sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
@@ -215,7 +233,7 @@ def call(namespace, case):
     return target(*case.get("args", []))
 
 
-def collect(pid, fds, spec):
+def collect(pid, fds, ended, spec):
     """Read stdout/result (capped) and stderr (its tail) until the case ends or runs out of
     time; then kill its namespace (killing its pid 1 kills everything in it)."""
     case_s, cap = spec["limits"]["case_s"], spec["limits"]["output_bytes"]
@@ -248,7 +266,8 @@ def collect(pid, fds, spec):
         (os.kill if spec["pidns"] else os.killpg)(pid, signal.SIGKILL)
     _, wait_status = os.waitpid(pid, 0)
     os.close(done)
-    code = os.waitstatus_to_exitcode(wait_status)
+    told = os.read(ended, 32)  # how the program ended, if its init saw it end
+    code = os.waitstatus_to_exitcode(int(told) if told else wait_status)
     out = {"status": status, "exit": code, "s": round(time.monotonic() - started, 3)}
     out["stdout"] = data[fds[0]][:cap].decode("utf-8", "replace")
     if data[fds[1]]:
@@ -262,7 +281,10 @@ def collect(pid, fds, spec):
 
 def describe(code, stderr):
     tail = stderr[-600:].decode("utf-8", "replace").strip()
-    head = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+    head = f"exit code {code}"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            head = f"killed by {signal.Signals(-code).name}"
     return f"{head}: {tail}" if tail else head
 
 

@@ -114,7 +114,8 @@ def command(mechanism: str, limits: Limits, group: bool) -> tuple[list[str], dic
     setup: dict = {
         "uid": UID_BASE + os.getpid() if root else None,
         "work": "/tmp/work",
-        "nproc": processes + (2 if userns else 0),  # in a user namespace the harness counts
+        # the case's init counts, and in a user namespace the harness and its helper too
+        "nproc": processes + 1 + (2 if userns else 0),
         "pidns": mechanism != "unsafe" or root,
         "drop": "uid" if root else "caps" if userns else None,
     }
@@ -140,7 +141,7 @@ def command(mechanism: str, limits: Limits, group: bool) -> tuple[list[str], dic
         setup["root"] = {"at": "/tmp", "tmpfs": size, "binds": _system_paths()}
         return argv + python, setup
     if mechanism == "unsafe":
-        return python, {**setup, "work": None, "nproc": limits.processes}
+        return python, {**setup, "work": None, "nproc": limits.processes + 1}
     raise ValueError(f"unknown sandbox mechanism {mechanism!r}")
 
 
