@@ -43,11 +43,8 @@ def stdin_cases(*pairs: tuple[str, str]) -> list[dict]:
 
 
 def host_processes_with(marker: str) -> list[psutil.Process]:
-    found = []
-    for p in psutil.process_iter(["cmdline"]):
-        if any(marker in part for part in p.info["cmdline"] or ()):
-            found.append(p)
-    return found
+    """Processes with `marker` as one of their arguments."""
+    return [p for p in psutil.process_iter(["cmdline"]) if marker in (p.info["cmdline"] or ())]
 
 
 # 1. An infrastructure failure is never a score.

@@ -34,6 +34,10 @@ DEVICES = ("null", "zero", "full", "random", "urandom")
 libc = ctypes.CDLL(None, use_errno=True)
 
 
+class SandboxFault(Exception):
+    """The harness cannot run a case: the host reports the sample as an error."""
+
+
 def check(result, what):
     if result != 0:
         err = ctypes.get_errno()
@@ -70,10 +74,11 @@ def prepare(spec):
 
 
 def build_root(root):
-    """What bwrap gives, for `unshare`: a size-capped tmpfs as /, the system directories bound
-    read-only, a few device nodes, private /tmp, /var/tmp and /dev/shm; the host's tree gone."""
+    """What bwrap gives, for `unshare`: a read-only tmpfs as /, the system directories bound
+    read-only, a few device nodes, size-capped private /tmp (also /var/tmp) and /dev/shm;
+    the host's tree gone."""
     new = root["at"]
-    check(libc.mount(b"tmpfs", new.encode(), b"tmpfs", MS_NOSUID, root["tmpfs"].encode()), "tmpfs")
+    check(libc.mount(b"tmpfs", new.encode(), b"tmpfs", MS_NOSUID, b"size=1m,mode=755"), "tmpfs")
     os.umask(0)
     for path in root["binds"]:
         target = new + path
@@ -83,9 +88,12 @@ def build_root(root):
             continue
         os.makedirs(target, 0o755, exist_ok=True)
         bind(path, target, read_only=True)
-    for name in ("tmp", "var/tmp", "dev/shm"):
-        os.makedirs(f"{new}/{name}", 0o1777, exist_ok=True)
-        os.chmod(f"{new}/{name}", 0o1777)
+    for name, size_mb in root["tmpfs"].items():
+        os.makedirs(f"{new}/{name}", 0o755, exist_ok=True)
+        options = f"size={size_mb}m,mode=1777".encode()
+        check(libc.mount(b"tmpfs", f"{new}/{name}".encode(), b"tmpfs", MS_NOSUID, options), name)
+    os.makedirs(f"{new}/var/tmp", 0o755)
+    bind(f"{new}/tmp", f"{new}/var/tmp", read_only=False)
     for name in DEVICES:
         os.close(os.open(f"{new}/dev/{name}", os.O_CREAT | os.O_WRONLY, 0o666))
         bind(f"/dev/{name}", f"{new}/dev/{name}", read_only=False)
@@ -94,6 +102,7 @@ def build_root(root):
     os.chdir("/")
     check(libc.umount2(b"/.old", MNT_DETACH), "umount old root")
     os.rmdir("/.old")
+    check(libc.mount(None, b"/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID, None), "ro /")
     os.umask(0o022)
 
 
@@ -112,7 +121,8 @@ def run_case(spec, case, index):
     stdin = os.memfd_create(f"in{index}")
     os.write(stdin, case.get("input", "").encode())
     os.lseek(stdin, 0, os.SEEK_SET)
-    pipes = [os.pipe() for _ in range(5)]  # stdout, result, stderr, the init's pid, status
+    # stdout, result, stderr, the init's pid, how the program ended, go
+    pipes = [os.pipe() for _ in range(6)]
     keeper = os.fork()
     if keeper == 0:  # only its children enter the new namespace: the case is pid 1 there
         code = 1
@@ -126,12 +136,14 @@ def run_case(spec, case, index):
             code = 0
         finally:
             os._exit(code)
-    for _, w in pipes:
+    for _, w in pipes[:5]:
         os.close(w)
     os.close(stdin)
     os.waitpid(keeper, 0)
     got = os.read(pipes[3][0], 32)
     os.close(pipes[3][0])
+    os.close(pipes[5][0])
+    os.close(pipes[5][1])  # go: the keeper is gone, it no longer counts as a process
     if not got:
         raise OSError("the case's process could not be started")
     outcome = collect(int(got), [r for r, _ in pipes[:3]], pipes[4][0], spec)
@@ -146,13 +158,19 @@ def child(spec, case, stdin, pipes):
     code = 1
     try:
         os.setsid()  # a group of its own: kill(0) from the program cannot reach the harness
-        wanted = (stdin, pipes[0][1], pipes[2][1], pipes[1][1], pipes[4][1])  # as fds 0-4
+        wanted = (stdin, pipes[0][1], pipes[2][1], pipes[1][1], pipes[4][1], pipes[5][0])
         high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 1000) for fd in wanted]
-        for target, fd in enumerate(high):
+        for target, fd in enumerate(high):  # as fds 0-5
             os.dup2(fd, target)
-        os.closerange(5, 1 << 16)
-        limit(spec)
-        program = os.fork()
+        os.closerange(6, 1 << 16)
+        try:
+            os.read(5, 1)
+            os.close(5)
+            limit(spec)
+            program = os.fork()
+        except Exception as exc:  # the sandbox's fault, not the program's
+            os.write(4, f"E{type(exc).__name__}: {exc}".encode())
+            raise
         if program == 0:
             os.close(4)
             run_program(spec, case)
@@ -266,7 +284,9 @@ def collect(pid, fds, ended, spec):
         (os.kill if spec["pidns"] else os.killpg)(pid, signal.SIGKILL)
     _, wait_status = os.waitpid(pid, 0)
     os.close(done)
-    told = os.read(ended, 32)  # how the program ended, if its init saw it end
+    told = os.read(ended, 300)  # how the program ended, if its init saw it end
+    if told.startswith(b"E"):
+        raise SandboxFault(f"a test case could not be set up: {told[1:].decode()}")
     code = os.waitstatus_to_exitcode(int(told) if told else wait_status)
     out = {"status": status, "exit": code, "s": round(time.monotonic() - started, 3)}
     out["stdout"] = data[fds[0]][:cap].decode("utf-8", "replace")
@@ -310,7 +330,11 @@ def main():
             emit({"status": "skipped", "error": skip})
             continue
         emit({"start": index})
-        outcome = run_case(spec, case, index)
+        try:
+            outcome = run_case(spec, case, index)
+        except (OSError, SandboxFault) as exc:
+            emit({"fatal": str(exc)})
+            return
         if outcome["status"] == "timeout":  # it would hang again: skip the remaining cases
             skip = "not run: an earlier case ran over its time limit"
         emit(outcome)

@@ -114,7 +114,8 @@ def command(mechanism: str, limits: Limits, group: bool) -> tuple[list[str], dic
     setup: dict = {
         "uid": UID_BASE + os.getpid() if root else None,
         "work": "/tmp/work",
-        # the case's init counts, and in a user namespace the harness and its helper too
+        # the case's init counts; in a user namespace also the harness and bwrap's or
+        # unshare's own process
         "nproc": processes + 1 + (2 if userns else 0),
         "pidns": mechanism != "unsafe" or root,
         "drop": "uid" if root else "caps" if userns else None,
@@ -130,15 +131,18 @@ def command(mechanism: str, limits: Limits, group: bool) -> tuple[list[str], dic
         argv = ["bwrap", *spaces, "--die-with-parent", "--new-session", *_bwrap_binds()]
         argv += ["--dev", "/dev", "--perms", "1777", "--size", str(limits.disk_mb << 20)]
         argv += ["--tmpfs", "/tmp", "--perms", "1777", "--size", str(SHM_MB << 20)]
-        argv += ["--tmpfs", "/dev/shm", "--chdir", "/tmp", "--clearenv"]
+        argv += ["--tmpfs", "/dev/shm", "--remount-ro", "/", "--chdir", "/tmp", "--clearenv"]
         for key, value in ENV.items():
             argv += ["--setenv", key, value]
         return argv + python, setup
     if mechanism == "unshare":
         argv = ["unshare", "--net", "--pid", "--fork", "--ipc", "--uts", "--mount"]
         argv += ["--kill-child"] + ([] if root else ["--user", "--map-root-user"])
-        size = f"size={limits.disk_mb + SHM_MB}m,mode=755"
-        setup["root"] = {"at": "/tmp", "tmpfs": size, "binds": _system_paths()}
+        setup["root"] = {
+            "at": "/tmp",
+            "tmpfs": {"tmp": limits.disk_mb, "dev/shm": SHM_MB},
+            "binds": _system_paths(),
+        }
         return argv + python, setup
     if mechanism == "unsafe":
         return python, {**setup, "work": None, "nproc": limits.processes + 1}
