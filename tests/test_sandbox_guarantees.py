@@ -65,6 +65,20 @@ def test_1_every_program_gets_a_working_interpreter_and_a_broken_sandbox_is_an_e
         score("print(1)", stdin_cases(("", "1")))
 
 
+def test_1_a_code_pool_refuses_to_start_without_a_working_sandbox(tmp_path):
+    backend = tmp_path / "code.toml"
+    code_reward_path = "qreward_queue.rewards.code:code_reward"
+    backend.write_text(f'[backend]\nkind = "function"\nfunction = "{code_reward_path}"\n')
+    env = {**os.environ, "PATH": str(tmp_path), "QRQ_REDIS_URL": "redis://127.0.0.1:1/0"}
+    done = subprocess.run(
+        [sys.executable, "-m", "qreward_queue.cli", "worker", str(backend)],
+        env=env, capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no sandbox for generated code: bwrap is not installed" in lines[0]
+
+
 # 2. Comparison cannot be gamed.
 def test_2_integers_exactly_floats_within_the_tolerance_and_comparing_never_raises(mechanism):
     near = [("print(1000000000)", "1000000006"), ("print(999999)", "1000000")]

@@ -162,7 +162,8 @@ def probe(mechanism: str) -> str | None:
         return f"{tool} failed: {exc}"[:300]
     case = run.cases[0] if run.cases else {}
     if case.get("stdout", "").strip() != "42":
-        return f"{tool} cannot run a program here: {case.get('error') or case}"[:300]
+        last = (str(case.get("error") or case).strip().splitlines() or [""])[-1]
+        return f"{tool} cannot run a program importing the standard library here: {last}"[:300]
     return None
 
 
@@ -186,6 +187,8 @@ def describe(unsafe: bool = False) -> str:
     """One line for a pool's start: the mechanism and how the whole sample is bounded
     (raises SandboxUnavailable when no program can run here)."""
     mechanism = pick_mechanism(unsafe)
+    if mechanism == "unsafe":
+        return "code sandbox: NONE (unsafe=true): generated code runs without isolation"
     layout = cgroups.available()
     how = cgroups.describe(layout)
     if isinstance(layout, str):
