@@ -28,7 +28,7 @@ import traceback
 CLONE_NEWPID = 0x20000000
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP = 1, 4, 24
 PR_SET_SECUREBITS, PR_SET_NO_NEW_PRIVS, PR_SET_CHILD_SUBREAPER, PR_CAP_AMBIENT = 27, 38, 36, 47
-MS_RDONLY, MS_NOSUID, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 32, 4096, 16384
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 32, 4096, 16384
 MNT_DETACH = 2
 DEVICES = ("null", "zero", "full", "random", "urandom")
 libc = ctypes.CDLL(None, use_errno=True)
@@ -66,6 +66,21 @@ def prepare(spec):
         build_root(spec["root"])
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # a case's first process comes back to us
     libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    fresh_directories(spec, first=True)
+
+
+def fresh_directories(spec, first=False):
+    """Empty writable directories for the next case (new size-capped tmpfs mounts: nothing
+    an earlier case wrote is left, and the harness never walks what a program made)."""
+    for path, size_mb in spec["tmpfs"].items():
+        if not first:
+            check(libc.umount2(path.encode(), MNT_DETACH), f"umount {path}")
+        options = f"size={size_mb}m,mode=1777".encode()
+        check(libc.mount(b"tmpfs", path.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options), path)
+    if spec.get("root"):  # /var/tmp is the same directory as /tmp
+        if not first:
+            check(libc.umount2(b"/var/tmp", MNT_DETACH), "umount /var/tmp")
+        bind("/tmp", "/var/tmp", read_only=False)
     work = spec["work"]
     os.makedirs(work, exist_ok=True)
     if spec.get("uid") is not None:
@@ -75,8 +90,8 @@ def prepare(spec):
 
 def build_root(root):
     """What bwrap gives, for `unshare`: a read-only tmpfs as /, the system directories bound
-    read-only, a few device nodes, size-capped private /tmp (also /var/tmp) and /dev/shm;
-    the host's tree gone."""
+    read-only, a few device nodes, mount points for /tmp, /var/tmp and /dev/shm; the host's
+    tree gone."""
     new = root["at"]
     check(libc.mount(b"tmpfs", new.encode(), b"tmpfs", MS_NOSUID, b"size=1m,mode=755"), "tmpfs")
     os.umask(0)
@@ -88,12 +103,8 @@ def build_root(root):
             continue
         os.makedirs(target, 0o755, exist_ok=True)
         bind(path, target, read_only=True)
-    for name, size_mb in root["tmpfs"].items():
-        os.makedirs(f"{new}/{name}", 0o755, exist_ok=True)
-        options = f"size={size_mb}m,mode=1777".encode()
-        check(libc.mount(b"tmpfs", f"{new}/{name}".encode(), b"tmpfs", MS_NOSUID, options), name)
-    os.makedirs(f"{new}/var/tmp", 0o755)
-    bind(f"{new}/tmp", f"{new}/var/tmp", read_only=False)
+    for name in ("tmp", "var/tmp", "dev/shm"):  # mounted by fresh_directories
+        os.makedirs(f"{new}/{name}", 0o755)
     for name in DEVICES:
         os.close(os.open(f"{new}/dev/{name}", os.O_CREAT | os.O_WRONLY, 0o666))
         bind(f"/dev/{name}", f"{new}/dev/{name}", read_only=False)
@@ -331,6 +342,8 @@ def main():
             continue
         emit({"start": index})
         try:
+            if index:
+                fresh_directories(spec)
             outcome = run_case(spec, case, index)
         except (OSError, SandboxFault) as exc:
             emit({"fatal": str(exc)})

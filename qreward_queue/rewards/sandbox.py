@@ -119,6 +119,7 @@ def command(mechanism: str, limits: Limits, group: bool) -> tuple[list[str], dic
         "nproc": processes + 1 + (2 if userns else 0),
         "pidns": mechanism != "unsafe" or root,
         "drop": "uid" if root else "caps" if userns else None,
+        "tmpfs": {} if mechanism == "unsafe" else {"/tmp": limits.disk_mb, "/dev/shm": SHM_MB},
     }
     python = [_python(), "-I", "-S", "-c", HARNESS]  # -S: stdlib only, 90 ms faster
     if mechanism == "bwrap":
@@ -129,20 +130,16 @@ def command(mechanism: str, limits: Limits, group: bool) -> tuple[list[str], dic
         as_user = ["--unshare-all", "--uid", "0", "--gid", "0", "--cap-add", "ALL"]
         spaces += ["--unshare-cgroup-try"] if root else as_user
         argv = ["bwrap", *spaces, "--die-with-parent", "--new-session", *_bwrap_binds()]
-        argv += ["--dev", "/dev", "--perms", "1777", "--size", str(limits.disk_mb << 20)]
-        argv += ["--tmpfs", "/tmp", "--perms", "1777", "--size", str(SHM_MB << 20)]
-        argv += ["--tmpfs", "/dev/shm", "--remount-ro", "/", "--chdir", "/tmp", "--clearenv"]
+        # /tmp and /dev/shm: mount points, the harness mounts a fresh tmpfs there per case
+        argv += ["--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/dev/shm", "--remount-ro", "/"]
+        argv += ["--chdir", "/", "--clearenv"]
         for key, value in ENV.items():
             argv += ["--setenv", key, value]
         return argv + python, setup
     if mechanism == "unshare":
         argv = ["unshare", "--net", "--pid", "--fork", "--ipc", "--uts", "--mount"]
         argv += ["--kill-child"] + ([] if root else ["--user", "--map-root-user"])
-        setup["root"] = {
-            "at": "/tmp",
-            "tmpfs": {"tmp": limits.disk_mb, "dev/shm": SHM_MB},
-            "binds": _system_paths(),
-        }
+        setup["root"] = {"at": "/tmp", "binds": _system_paths()}
         return argv + python, setup
     if mechanism == "unsafe":
         return python, {**setup, "work": None, "nproc": limits.processes + 1}
