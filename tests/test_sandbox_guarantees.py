@@ -170,6 +170,16 @@ def test_4_memory_processes_and_disk_are_bounded_for_the_whole_sample(mechanism)
     )
     scored = score(fill, stdin_cases(("", "big")), case_s=5)
     assert scored == 0.0, scored.detail
+    own_tmpfs = dedent("""
+        import ctypes, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        if os.fork() == 0:  # a user and mount namespace of its own, then a tmpfs of its own
+            ok = libc.unshare(0x10000000 | 0x20000) == 0 and os.makedirs("m") is None
+            ok = ok and libc.mount(b"tmpfs", b"m", b"tmpfs", 0, None) == 0
+            os._exit(0 if ok else 1)
+        print("mounted" if os.wait()[1] == 0 else "refused")
+    """)
+    assert score(own_tmpfs, stdin_cases(("", "mounted"))) == 0.0
     how = cgroups.describe(cgroups.available())
     assert how.startswith("a cgroup v") or how.startswith("rlimits only")
 

@@ -15,6 +15,7 @@ in a memfd and its output in pipes. Expected outputs never enter the sandbox.
 
 import contextlib
 import ctypes
+import errno
 import fcntl
 import json
 import os
@@ -25,13 +26,60 @@ import sys
 import time
 import traceback
 
-CLONE_NEWPID = 0x20000000
+CLONE_NEWPID, SYS_CLONE = 0x20000000, 56  # x86_64
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP = 1, 4, 24
 PR_SET_SECUREBITS, PR_SET_NO_NEW_PRIVS, PR_SET_CHILD_SUBREAPER, PR_CAP_AMBIENT = 27, 38, 36, 47
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 32, 4096, 16384
 MNT_DETACH = 2
 DEVICES = ("null", "zero", "full", "random", "urandom")
 libc = ctypes.CDLL(None, use_errno=True)
+
+
+NEW_NAMESPACES = (0x80, 0x20000, 0x2000000, 0x4000000, 0x8000000, 0x10000000, 0x20000000,
+                  0x40000000)  # CLONE_NEWTIME, NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, ...
+DENIED = (  # a program needs none of these; each would let it step around the limits
+    "unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "ptrace", "keyctl",
+    "add_key", "request_key", "bpf", "userfaultfd", "perf_event_open", "open_by_handle_at",
+    "io_uring_setup", "fsopen", "fsmount", "fsconfig", "open_tree", "move_mount",
+    "mount_setattr",
+)
+SCMP_ACT_ALLOW, SCMP_ACT_ERRNO, SCMP_CMP_MASKED_EQ = 0x7FFF0000, 0x00050000, 7
+
+
+class ArgCmp(ctypes.Structure):
+    _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("a", ctypes.c_uint64),
+                ("b", ctypes.c_uint64)]
+
+
+def syscall_filter():
+    """A seccomp filter (libseccomp) refusing new namespaces (a user namespace would let a
+    program mount a tmpfs of its own), mounts, ptrace, keyrings and bpf; None without
+    libseccomp."""
+    try:
+        lib = ctypes.CDLL("libseccomp.so.2")
+    except OSError:
+        return None
+    lib.seccomp_init.restype = ctypes.c_void_p
+    lib.seccomp_rule_add_array.argtypes = [
+        ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint, ctypes.POINTER(ArgCmp)
+    ]
+    lib.seccomp_load.argtypes = [ctypes.c_void_p]
+    ctx = lib.seccomp_init(SCMP_ACT_ALLOW)
+
+    def refuse(name, err, *compare):
+        number = lib.seccomp_syscall_resolve_name(name.encode())
+        if number >= 0:
+            array = (ArgCmp * max(1, len(compare)))(*compare)
+            action = SCMP_ACT_ERRNO | err
+            rule = lib.seccomp_rule_add_array(ctx, action, number, len(compare), array)
+            check(rule, f"seccomp rule for {name}")
+
+    for name in DENIED:
+        refuse(name, errno.EPERM)
+    refuse("clone3", errno.ENOSYS)  # the C library falls back to clone, whose flags we see
+    for flag in NEW_NAMESPACES:
+        refuse("clone", errno.EPERM, ArgCmp(0, SCMP_CMP_MASKED_EQ, flag, flag))
+    return lib, ctx
 
 
 class SandboxFault(Exception):
@@ -66,12 +114,16 @@ def prepare(spec):
         build_root(spec["root"])
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # a case's first process comes back to us
     libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    spec["filter"] = syscall_filter()
     fresh_directories(spec, first=True)
 
 
 def fresh_directories(spec, first=False):
     """Empty writable directories for the next case (new size-capped tmpfs mounts: nothing
-    an earlier case wrote is left, and the harness never walks what a program made)."""
+    an earlier case wrote is left, and the harness never walks what a program made). A
+    tmpfs counts every inode and block: when none was used since, it is still empty."""
+    if not first and [usage(path) for path in spec["tmpfs"]] == spec["fresh"]:
+        return
     for path, size_mb in spec["tmpfs"].items():
         if not first:
             check(libc.umount2(path.encode(), MNT_DETACH), f"umount {path}")
@@ -86,6 +138,12 @@ def fresh_directories(spec, first=False):
     if spec.get("uid") is not None:
         os.chown(work, spec["uid"], spec["uid"])
     os.chdir(work)
+    spec["fresh"] = [usage(path) for path in spec["tmpfs"]]
+
+
+def usage(path):
+    stat = os.statvfs(path)
+    return stat.f_bfree, stat.f_ffree
 
 
 def build_root(root):
@@ -132,33 +190,19 @@ def run_case(spec, case, index):
     stdin = os.memfd_create(f"in{index}")
     os.write(stdin, case.get("input", "").encode())
     os.lseek(stdin, 0, os.SEEK_SET)
-    # stdout, result, stderr, the init's pid, how the program ended, go
-    pipes = [os.pipe() for _ in range(6)]
-    keeper = os.fork()
-    if keeper == 0:  # only its children enter the new namespace: the case is pid 1 there
-        code = 1
-        try:
-            if spec["pidns"]:
-                check(libc.unshare(CLONE_NEWPID), "a PID namespace for the case")
-            pid = os.fork()
-            if pid == 0:
-                child(spec, case, stdin, pipes)
-            os.write(pipes[3][1], str(pid).encode())
-            code = 0
-        finally:
-            os._exit(code)
-    for _, w in pipes[:5]:
+    pipes = [os.pipe() for _ in range(4)]  # stdout, result, stderr, how the program ended
+    # a bare clone (this process has one thread): the child is pid 1 of a new namespace
+    flags = signal.SIGCHLD | (CLONE_NEWPID if spec["pidns"] else 0)
+    pid = libc.syscall(SYS_CLONE, flags, None, None, None, None)
+    if pid == 0:
+        child(spec, case, stdin, pipes)
+    if pid < 0:
+        raise OSError(ctypes.get_errno(), "cannot start the case's process")
+    for _, w in pipes:
         os.close(w)
     os.close(stdin)
-    os.waitpid(keeper, 0)
-    got = os.read(pipes[3][0], 32)
-    os.close(pipes[3][0])
-    os.close(pipes[5][0])
-    os.close(pipes[5][1])  # go: the keeper is gone, it no longer counts as a process
-    if not got:
-        raise OSError("the case's process could not be started")
-    outcome = collect(int(got), [r for r, _ in pipes[:3]], pipes[4][0], spec)
-    for r, _ in (*pipes[:3], pipes[4]):
+    outcome = collect(pid, [r for r, _ in pipes[:3]], pipes[3][0], spec)
+    for r, _ in pipes:
         os.close(r)
     return outcome
 
@@ -169,14 +213,12 @@ def child(spec, case, stdin, pipes):
     code = 1
     try:
         os.setsid()  # a group of its own: kill(0) from the program cannot reach the harness
-        wanted = (stdin, pipes[0][1], pipes[2][1], pipes[1][1], pipes[4][1], pipes[5][0])
+        wanted = (stdin, pipes[0][1], pipes[2][1], pipes[1][1], pipes[3][1])
         high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 1000) for fd in wanted]
-        for target, fd in enumerate(high):  # as fds 0-5
+        for target, fd in enumerate(high):  # as fds 0-4
             os.dup2(fd, target)
-        os.closerange(6, 1 << 16)
+        os.closerange(5, 1 << 16)
         try:
-            os.read(5, 1)
-            os.close(5)
             limit(spec)
             program = os.fork()
         except Exception as exc:  # the sandbox's fault, not the program's
@@ -249,6 +291,9 @@ def limit(spec):
         header = (ctypes.c_uint32 * 2)(0x20080522, 0)
         check(libc.capset(header, (ctypes.c_uint32 * 6)()), "capset")
     check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    if spec["filter"] is not None:
+        lib, ctx = spec["filter"]
+        check(lib.seccomp_load(ctx), "seccomp")
 
 
 def call(namespace, case):
@@ -330,7 +375,7 @@ def main():
     except Exception as exc:  # the sandbox itself is broken: the host says `error`
         emit({"fatal": f"{type(exc).__name__}: {exc}"})
         return
-    emit({"ready": os.getpid()})
+    emit({"ready": os.getpid(), "seccomp": spec["filter"] is not None})
     deadline = time.monotonic() + spec["limits"]["time_s"]
     skip = None
     for index in range(spec["cases"]):
