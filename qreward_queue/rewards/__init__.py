@@ -16,7 +16,7 @@ class Scored(float):
 
     detail: str
 
-    def __new__(cls, value: float, detail: str) -> Scored:
+    def __new__(cls, value: float, detail: str = "") -> Scored:  # the default: for pickle
         scored = super().__new__(cls, value)
         scored.detail = detail
         return scored
