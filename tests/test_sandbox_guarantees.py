@@ -307,3 +307,7 @@ def test_6_the_sandbox_sees_only_system_directories_read_only_and_reaches_nothin
     assert top <= system | {"tmp", "dev", "var"}, top
     assert lines[1] == "False False False"
     assert lines[2] == "[] []"  # nothing it could write outside /tmp, nothing it could ptrace
+    hidden = sandbox._hidden_paths()  # installed packages: a data set may ship in one
+    listing = f"import os\nprint([os.listdir(p) for p in {hidden!r}])"
+    run = sandbox.run_cases(listing, [{"input": ""}])
+    assert run.cases[0]["stdout"].strip() == str([[] for _ in hidden])

@@ -161,6 +161,9 @@ def build_root(root):
             continue
         os.makedirs(target, 0o755, exist_ok=True)
         bind(path, target, read_only=True)
+    for path in root["hide"]:
+        hidden = f"{new}{path}".encode()
+        check(libc.mount(b"tmpfs", hidden, b"tmpfs", MS_RDONLY | MS_NOSUID, b"size=4k"), path)
     for name in ("tmp", "var/tmp", "dev/shm"):  # mounted by fresh_directories
         os.makedirs(f"{new}/{name}", 0o755)
     for name in DEVICES:

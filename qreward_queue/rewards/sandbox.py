@@ -27,6 +27,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -92,6 +93,16 @@ def _system_paths() -> list[str]:
     return [p for p in paths if os.path.lexists(p)]
 
 
+def _hidden_paths() -> list[str]:
+    """Installed packages next to the standard library: not the program's to read (a data
+    set or a test suite may ship in one), and `-I -S` keeps them off its path anyway."""
+    base = {"base": sys.base_prefix, "platbase": sys.base_prefix}
+    found = {sysconfig.get_path(kind, vars=base) for kind in ("purelib", "platlib")}
+    local = sysconfig.get_path("purelib", vars={"base": "/usr/local"})
+    found |= {"/usr/lib/python3/dist-packages", local}
+    return sorted(p for p in found if os.path.isdir(p) and not os.path.islink(p))
+
+
 def _bwrap_binds() -> list[str]:
     args: list[str] = []
     for path in _system_paths():
@@ -103,6 +114,8 @@ def _bwrap_binds() -> list[str]:
             args += ["--perms", "0755", "--dir", parent]
             parent = os.path.dirname(parent)
         args += ["--ro-bind", path, path]
+    for path in _hidden_paths():
+        args += ["--tmpfs", path, "--remount-ro", path]
     return args
 
 
@@ -139,7 +152,7 @@ def command(mechanism: str, limits: Limits, group: bool) -> tuple[list[str], dic
     if mechanism == "unshare":
         argv = ["unshare", "--net", "--pid", "--fork", "--ipc", "--uts", "--mount"]
         argv += ["--kill-child"] + ([] if root else ["--user", "--map-root-user"])
-        setup["root"] = {"at": "/tmp", "binds": _system_paths()}
+        setup["root"] = {"at": "/tmp", "binds": _system_paths(), "hide": _hidden_paths()}
         return argv + python, setup
     if mechanism == "unsafe":
         return python, {**setup, "work": None, "nproc": limits.processes + 1}
