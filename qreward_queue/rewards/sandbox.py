@@ -105,14 +105,15 @@ def _hidden_paths() -> list[str]:
 
 def _bwrap_binds() -> list[str]:
     args: list[str] = []
+    made = set()
     for path in _system_paths():
         if os.path.islink(path):
             args += ["--symlink", os.readlink(path), path]
             continue
-        parent = os.path.dirname(path)
-        while parent != "/" and parent not in args:  # readable parents, whatever the host's
-            args += ["--perms", "0755", "--dir", parent]
-            parent = os.path.dirname(parent)
+        for parent in reversed(Path(path).parents[:-1]):  # enterable, whatever the host's are
+            if parent not in made:
+                made.add(parent)
+                args += ["--perms", "0755", "--dir", str(parent)]
         args += ["--ro-bind", path, path]
     for path in _hidden_paths():
         args += ["--tmpfs", path, "--remount-ro", path]
