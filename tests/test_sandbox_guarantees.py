@@ -180,8 +180,9 @@ def test_4_memory_processes_and_disk_are_bounded_for_the_whole_sample(mechanism)
         print("mounted" if os.wait()[1] == 0 else "refused")
     """)
     assert score(own_tmpfs, stdin_cases(("", "mounted"))) == 0.0
-    how = cgroups.describe(cgroups.available())
-    assert how.startswith("a cgroup v") or how.startswith("rlimits only")
+    layout = cgroups.available()
+    if not isinstance(layout, str):  # every run's group is gone once the run is over
+        assert not [d for p in layout.parents for d in p.glob(f"qrq-{os.getpid()}-*")]
 
 
 class UnixListener:
