@@ -88,6 +88,9 @@ class Group:
     @classmethod
     def create(cls, layout: Layout, memory_bytes: int, pids: int) -> Group:
         name = f"qrq-{os.getpid()}-{next(_serial)}"
+        if layout.version == 2:  # a delegated group may need its children's controllers on
+            with contextlib.suppress(OSError):
+                (layout.parents[0] / "cgroup.subtree_control").write_text("+memory +pids")
         group = cls([])
         try:
             for parent in layout.parents:
