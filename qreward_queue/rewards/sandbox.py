@@ -243,17 +243,17 @@ def run_cases(
 def _one_sandbox(code: str, cases: list[dict], limits: Limits, mechanism: str) -> list[dict]:
     """Outcomes of the cases this sandbox got through (all, unless it was killed mid-case)."""
     layout = cgroups.available()
-    group = None
+    group, enter = None, False
     if not isinstance(layout, str):
         memory = (limits.memory_mb + limits.disk_mb + SHM_MB + OVERHEAD_MB) << 20
-        group = cgroups.Group.create(layout, memory, limits.processes + 8)
+        group, enter = cgroups.for_run(layout, memory, limits.processes + 8)
     argv, setup = command(mechanism, limits, group is not None)
     work = setup["work"] or tempfile.mkdtemp(prefix="qrq-sandbox-")
     spec = {**setup, "work": work, "code": code, "cases": len(cases), "limits": asdict(limits)}
     message = _frame(spec) + b"".join(_frame(case) for case in cases)
     try:
         proc = subprocess.Popen(
-            (group.enter_argv() if group else []) + argv,
+            (group.enter_argv() if enter else []) + argv,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -271,7 +271,7 @@ def _one_sandbox(code: str, cases: list[dict], limits: Limits, mechanism: str) -
             raise SandboxError(why) from None
     finally:
         if group is not None:
-            group.destroy()
+            cgroups.release(group, enter)
         if setup["work"] is None:
             shutil.rmtree(work, ignore_errors=True)
     return _outcomes(out, err, proc.returncode, len(cases), mechanism)
