@@ -16,6 +16,7 @@ import contextlib
 import itertools
 import os
 import signal
+import subprocess
 import threading
 import time
 from dataclasses import dataclass
@@ -70,7 +71,12 @@ def available() -> Layout | str:
         group = Group.create(layout, memory_bytes=64 * 2**20, pids=8)
     except OSError as exc:
         return f"cannot create a cgroup under {layout.parents[0]}: {exc.strerror or exc}"
-    group.destroy()
+    try:
+        moved = subprocess.run([*group.enter_argv(), "/bin/true"], capture_output=True)
+    finally:
+        group.destroy()
+    if moved.returncode != 0:
+        return f"cannot move a process into a cgroup under {layout.parents[0]}"
     return layout
 
 
@@ -174,7 +180,7 @@ class Group:
                     time.sleep(0.0005)
 
 
-_mine: tuple[int, Group] | None = None  # (pid, the group of that process)
+_mine: tuple[int, Group | None] | None = None  # (pid, the group of that process)
 
 
 def for_run(layout: Layout, memory_bytes: int, pids: int) -> tuple[Group, bool]:
@@ -186,20 +192,26 @@ def for_run(layout: Layout, memory_bytes: int, pids: int) -> tuple[Group, bool]:
     the limits are what the caller already uses plus the run's, lifted after the run. A
     caller with other threads (which could allocate meanwhile), or whose group holds other
     processes (children forked since), gets a new group per run."""
+    group = _my_group(layout) if threading.active_count() == 1 else None
+    if group is not None and group.members() == {os.getpid()}:
+        memory, processes = group.usage()
+        group.limit(memory + memory_bytes, processes + pids)
+        return group, False
+    return Group.create(layout, memory_bytes, pids), True
+
+
+def _my_group(layout: Layout) -> Group | None:
+    """This process's own group, made and entered once (None when it cannot be)."""
     global _mine
-    if threading.active_count() == 1:
-        if _mine is None or _mine[0] != os.getpid():
-            _remove_stale(layout)
+    if _mine is None or _mine[0] != os.getpid():
+        _remove_stale(layout)
+        group: Group | None = None
+        with contextlib.suppress(OSError):
             group = Group(layout, f"qrq-{os.getpid()}")
             for path in group.dirs:
                 (path / "cgroup.procs").write_text(str(os.getpid()))
-            _mine = (os.getpid(), group)
-        group = _mine[1]
-        if group.members() == {os.getpid()}:
-            memory, processes = group.usage()
-            group.limit(memory + memory_bytes, processes + pids)
-            return group, False
-    return Group.create(layout, memory_bytes, pids), True
+        _mine = (os.getpid(), group)
+    return _mine[1]
 
 
 def release(group: Group, entered: bool) -> None:
