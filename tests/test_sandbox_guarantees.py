@@ -180,9 +180,37 @@ def test_4_memory_processes_and_disk_are_bounded_for_the_whole_sample(mechanism)
         print("mounted" if os.wait()[1] == 0 else "refused")
     """)
     assert score(own_tmpfs, stdin_cases(("", "mounted"))) == 0.0
+    # memory spread over many small processes: the out-of-memory killer takes the sandbox's,
+    # never the (bigger) process that asked for the run, so the sample is still scored
+    caller = dedent(f"""
+        from qreward_queue.rewards import sandbox
+        from qreward_queue.rewards.code import code_reward
+        sandbox.pick_mechanism = lambda unsafe=False: {mechanism!r}
+        ballast = bytearray(150 * 2**20)
+        ballast[::4096] = b"x" * len(ballast[::4096])
+        program = {SPREAD!r}
+        tests = [{{"input": "", "output": "x"}}]
+        sample = {{"prompt": "", "response": program, "extra": {{"tests": tests}}}}
+        print("scored", code_reward(sample, case_s=3))
+    """)
+    done = subprocess.run([sys.executable, "-c", caller], capture_output=True, text=True)
+    assert done.returncode == 0 and "scored 0.0" in done.stdout, done
     layout = cgroups.available()
     if not isinstance(layout, str):  # every run's group is gone once the run is over
         assert not [d for p in layout.parents for d in p.glob(f"qrq-{os.getpid()}-*")]
+
+
+SPREAD = dedent("""
+    import os, time
+    for _ in range(30):
+        if os.fork() == 0:
+            b = bytearray(40 * 2**20)
+            b[::4096] = b"x" * len(b[::4096])
+            time.sleep(2)
+            os._exit(0)
+    time.sleep(1.5)
+    print("all alive")
+""")
 
 
 class UnixListener:

@@ -141,12 +141,15 @@ class Group:
         pids = self.dirs[0 if self.version == 2 else 1] / "pids.current"
         return int((self.dirs[0] / memory).read_text()), int(pids.read_text())
 
-    def enter_argv(self) -> list[str]:
-        """argv prefix: a shell that moves itself into every directory of the group, then
-        execs the rest (so everything the sandbox starts is in the group from its start)."""
-        script = 'for p; do [ "$p" = -- ] && break; echo 0 >"$p" || exit 125; shift; done; '
+    def enter_argv(self, enter: bool = True) -> list[str]:
+        """argv prefix: a shell that moves itself into every directory of the group (so
+        everything the sandbox starts is in it from its start) and makes itself the first
+        choice of the out-of-memory killer (not a caller sharing the group), then execs."""
+        script = "echo 1000 >/proc/self/oom_score_adj; "
+        script += 'for p; do [ "$p" = -- ] && break; echo 0 >"$p" || exit 125; shift; done; '
         script += 'shift; exec "$@"'
-        return ["/bin/sh", "-c", script, "sh", *(str(d / "cgroup.procs") for d in self.dirs), "--"]
+        procs = [str(d / "cgroup.procs") for d in self.dirs] if enter else []
+        return ["/bin/sh", "-c", script, "sh", *procs, "--"]
 
     def members(self) -> set[int]:
         return {pid for path in self.dirs for pid in _pids(path)}

@@ -253,7 +253,7 @@ def _one_sandbox(code: str, cases: list[dict], limits: Limits, mechanism: str) -
     message = _frame(spec) + b"".join(_frame(case) for case in cases)
     try:
         proc = subprocess.Popen(
-            (group.enter_argv() if enter else []) + argv,
+            (group.enter_argv(enter) if group else []) + argv,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
