@@ -31,6 +31,7 @@ PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP = 1, 4, 24
 PR_SET_SECUREBITS, PR_SET_NO_NEW_PRIVS, PR_SET_CHILD_SUBREAPER, PR_CAP_AMBIENT = 27, 38, 36, 47
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 32, 4096, 16384
 MNT_DETACH = 2
+INODES = 16384  # files per private tmpfs: empty files cost memory that size= does not count
 DEVICES = ("null", "zero", "full", "random", "urandom")
 libc = ctypes.CDLL(None, use_errno=True)
 
@@ -127,7 +128,7 @@ def fresh_directories(spec, first=False):
     for path, size_mb in spec["tmpfs"].items():
         if not first:
             check(libc.umount2(path.encode(), MNT_DETACH), f"umount {path}")
-        options = f"size={size_mb}m,mode=1777".encode()
+        options = f"size={size_mb}m,nr_inodes={INODES},mode=1777".encode()
         check(libc.mount(b"tmpfs", path.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options), path)
     if spec.get("root"):  # /var/tmp is the same directory as /tmp
         if not first:
