@@ -21,6 +21,7 @@ threads, so RLIMIT_AS plus the tmpfs sizes bound the total.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -39,7 +40,8 @@ from . import cgroups
 HARNESS = (Path(__file__).parent / "_harness.py").read_text()
 MECHANISMS = ("bwrap", "unshare")
 ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp"}
-UID_BASE = 100_000  # root runs each sandbox as uid UID_BASE + (pid of the caller)
+UID_BASE = 100_000  # as root, a run's cases get uid UID_BASE + 16 x (caller's pid) + k
+_runs = itertools.count()  # k: concurrent runs of one caller do not share RLIMIT_NPROC
 SHM_MB = 16  # size of the private /dev/shm
 OVERHEAD_MB = 96  # the cgroup's room for the harness and the sandbox's own processes
 GRACE_S = 10.0  # beyond the run's own limits before the host gives up on the harness
@@ -126,7 +128,7 @@ def command(mechanism: str, limits: Limits, group: bool) -> tuple[list[str], dic
     userns = not root and mechanism != "unsafe"
     processes = limits.processes if group else 1
     setup: dict = {
-        "uid": UID_BASE + os.getpid() if root else None,
+        "uid": UID_BASE + 16 * os.getpid() + next(_runs) % 16 if root else None,
         "work": "/tmp/work",
         # the case's init counts; in a user namespace also the harness and bwrap's or
         # unshare's own process
