@@ -7,10 +7,11 @@ could read. On stdout, one JSON line each: {"ready": ...} once set up (or {"fata
 {"start": k} as case k starts, then the case's outcome.
 
 The harness keeps its privileges (root, or root of its own user namespace) and never touches
-a path after set-up. Each case runs as pid 1 of a PID namespace of its own (the case cannot
-see, signal or ptrace the harness, and when the case's first process ends the kernel kills
-everything it started), unprivileged (its own uid, or no capabilities at all), with its input
-in a memfd and its output in pipes. Expected outputs never enter the sandbox.
+a path after set-up. Each case gets a PID namespace of its own whose pid 1 (the case's init)
+drops privileges (its own uid, or no capabilities at all), loads a seccomp filter and starts
+the program as pid 2: the program cannot see, signal or ptrace the harness, and when the init
+ends the kernel kills everything the program started. Its input is a memfd, its output
+pipes, its /tmp and /dev/shm fresh tmpfs. Expected outputs never enter the sandbox.
 """
 
 import contextlib

@@ -3,17 +3,18 @@
 Isolation, best first (probed once per process, `pick_mechanism()` says which one runs):
 - `bwrap` (bubblewrap, Debian package `bubblewrap`): new PID, network, IPC, UTS and mount
   namespaces (and a user namespace when not root); the filesystem is only /usr and the
-  Python prefix read-only, a few device nodes, size-capped private tmpfs /tmp and /dev/shm;
-  no /proc, no network (not even the host's 127.0.0.1); `--die-with-parent`.
+  Python prefix read-only (installed packages hidden), a few device nodes, size-capped
+  private tmpfs /tmp and /dev/shm, the rest read-only; no /proc, no network (not even the
+  host's 127.0.0.1); `--die-with-parent`.
 - `unshare` (util-linux): the same namespaces; the harness builds the same filesystem itself
-  (a size-capped tmpfs root, system directories bound read-only, pivot_root: the host's
-  tree, /proc, /run and /dev/shm are gone).
+  (a read-only tmpfs root, system directories bound read-only, pivot_root: the host's tree,
+  /proc, /run and /dev/shm are gone).
 - `unsafe`: no namespaces at all; only with an explicit opt-in (`unsafe=True`), never picked
   silently. Without bwrap or unshare and without the opt-in, a run raises SandboxUnavailable.
-In all cases each test case runs as pid 1 of its own PID namespace (nothing it starts
-outlives it, it cannot see the harness), unprivileged (its own uid when qrq runs as root,
-else no capabilities), with rlimits, an empty environment and capped output. Memory
-(tmpfs included) and processes are bounded for the whole run by a cgroup per run where the
+In all cases each test case runs in its own PID namespace (nothing it starts outlives it, it
+cannot see the harness), unprivileged (its own uid when qrq runs as root, else no
+capabilities), under a seccomp filter, with rlimits, an empty environment and capped output.
+Memory (tmpfs included) and processes are bounded for the whole run by a cgroup where the
 worker may create one (`cgroups.py`); elsewhere a case may not start other processes or
 threads, so RLIMIT_AS plus the tmpfs sizes bound the total.
 """
