@@ -46,7 +46,12 @@ def _own(hierarchy: str) -> str | None:
 
 
 def _own_dir(hierarchy: str) -> str:
-    return (_own(hierarchy) or "/").lstrip("/")
+    """This process's group, above any group qrq made (a helper started from a process that
+    moved into one puts its own next to it, not inside)."""
+    parts = (_own(hierarchy) or "/").strip("/").split("/")
+    while parts and parts[-1].startswith("qrq-"):
+        parts.pop()
+    return "/".join(parts)
 
 
 def _layout() -> Layout | str:
