@@ -3,9 +3,10 @@
 For each reward: N samples through qrq (distributed: a real prefork `qrq worker`,
 concurrency = cores, Redis), through `multiprocessing.Pool(cores).map` in-process, and through
 a plain loop on one core. Prints samples/s, the ratio to the pool, the time `submit_batch`
-took to enqueue, wrong scores (against the loop), and for code the p50/p99 per sample and how
-late the hanging programs were reported as `timeout`. Both qrq's worker and the pool are
-warmed up (imports, helper processes) before the clock starts.
+took to enqueue, wrong scores (against the loop), and for code the p50/p99 per sample and the
+sandbox's own overhead per program (an empty program, against a bare interpreter start).
+Both qrq's worker and the pool are warmed up (imports, helper processes) before the clock
+starts.
 
     python benchmarks/cpu_rewards.py --redis-url redis://127.0.0.1:6379/14 --json
     python benchmarks/cpu_rewards.py --reward code --n 256     # a quick run
@@ -18,6 +19,7 @@ import json
 import multiprocessing
 import os
 import random
+import subprocess
 import sys
 import tempfile
 import time
@@ -266,6 +268,29 @@ def bench(reward: str, n: int, redis_url: str, loop_n: int) -> list[dict]:
     return [qrq, pool, loop]
 
 
+def sandbox_overhead(n: int) -> dict:
+    """The sandbox's own cost per program: an empty program with one empty case, one run at a
+    time, against starting a bare interpreter (`python -I -S -c pass`) in the same run."""
+    from qreward_queue.rewards import sandbox
+
+    mechanism = sandbox.pick_mechanism()
+    runs, bare = [], []
+    for _ in range(n):
+        started = time.perf_counter()
+        sandbox.run_cases("", [{"input": ""}])
+        runs.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        subprocess.run([sys.executable, "-I", "-S", "-c", "pass"], check=True)
+        bare.append(time.perf_counter() - started)
+    return {
+        "client": f"sandbox overhead ({mechanism}): empty program, 1 case",
+        "n": n,
+        "p50_ms": round(1000 * percentile(runs, 50), 1),
+        "p99_ms": round(1000 * percentile(runs, 99), 1),
+        "bare_interpreter_p50_ms": round(1000 * percentile(bare, 50), 1),
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reward", default="all", choices=[*REWARDS, "all"])
@@ -274,6 +299,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--loop-n", type=int, default=1024, help="samples for the plain loop")
     parser.add_argument(
         "--redis-url", default=os.environ.get("QRQ_BENCH_REDIS_URL", "redis://127.0.0.1:6379/9")
+    )
+    parser.add_argument(
+        "--overhead-n", type=int, default=100, help="empty programs timed for the overhead"
     )
     parser.add_argument("--json", action="store_true", help="also one JSON line per run")
     args = parser.parse_args(argv)
@@ -294,6 +322,16 @@ def main(argv: list[str] | None = None) -> None:
                 f"{run.get('enqueue_s', float('nan')):9.3f} {run['p50_ms']:7.1f} "
                 f"{run['p99_ms']:7.1f} {run['wrong']:5d} {hang:>10} "
                 f"{run.get('cores_used', float('nan')):5.2f} {run['statuses']}",
+                flush=True,
+            )
+            if args.json:
+                print(json.dumps(run), flush=True)
+        if reward == "code":
+            run = sandbox_overhead(args.overhead_n)
+            print(
+                f"{reward:7} {run['client']:32} {run['n']:5d} p50 {run['p50_ms']:.1f} ms, "
+                f"p99 {run['p99_ms']:.1f} ms (a bare interpreter start: p50 "
+                f"{run['bare_interpreter_p50_ms']:.1f} ms)",
                 flush=True,
             )
             if args.json:

@@ -258,6 +258,8 @@ def worker(
     app = QrqCelery(
         dataclasses.replace(config, backends={**config.backends, backend.name: backend})
     )
+    if "rewards.code:" in json.dumps([backend.function, backend.options]):
+        click.echo(_code_sandbox(backend_file, backend.options))
     if backend.pool.rate_limit:
         app.conf.task_annotations = {TASK_NAME: {"rate_limit": backend.pool.rate_limit}}
     argv = [
@@ -289,6 +291,16 @@ def worker(
     for logging_ready in (after_setup_logger, after_setup_task_logger):  # no key in a log line
         logging_ready.connect(lambda logger, **_: install_log_filter(logger), weak=False)
     app.worker_main(argv)
+
+
+def _code_sandbox(backend_file: str, options: dict) -> str:
+    """Which sandbox a code-reward pool runs its programs in; refuses to start without one."""
+    from .rewards import sandbox
+
+    try:
+        return sandbox.describe(unsafe=bool(options.get("unsafe")))
+    except sandbox.SandboxUnavailable as exc:
+        raise ConfigError(f"{backend_file}: {exc}") from None
 
 
 @cli.command()

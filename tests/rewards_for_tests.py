@@ -45,3 +45,15 @@ def pid_score(sample: dict) -> float:
         block[::4096] = b"x" * len(block[::4096])  # touch every page so it counts as resident
         pid_score.held = [*getattr(pid_score, "held", []), block]
     return float(os.getpid())
+
+
+def spawn_and_return(sample: dict, marker: str) -> float:
+    """Start a process in a new session (it would run for a minute), then return or hang."""
+    import subprocess
+    import sys
+
+    code = "import time; time.sleep(60)"
+    subprocess.Popen([sys.executable, "-c", code, marker], start_new_session=True)
+    if sample["response"] == "hang":
+        time.sleep(60)
+    return 1.0

@@ -18,7 +18,6 @@ import pytest
 from support import Worker, function_backend, write_config
 
 import qreward_queue
-from qreward_queue.errors import SampleTimeout
 from qreward_queue.rewards import sandbox
 from qreward_queue.rewards.code import code_reward, run_tests
 
@@ -124,7 +123,7 @@ def test_every_escape_is_contained_and_reported(canaries):
     statuses = {}
     for name, (program, escaped) in escapes(canaries).items():
         started = time.monotonic()
-        score, run = run_tests(sample(program, escaped), limits)
+        score, run, _ = run_tests(sample(program, escaped), limits)
         elapsed = time.monotonic() - started
         statuses[name] = run.cases[0]["status"]
         assert score == 0.0, (name, run)
@@ -135,7 +134,7 @@ def test_every_escape_is_contained_and_reported(canaries):
     assert statuses["fork_bomb"] == "timeout"  # it keeps trying; RLIMIT_NPROC keeps it small
     assert statuses["alloc_10gb"] == "error"
     assert statuses["write_1gb"] == "error"  # SIGXFSZ at the file-size limit
-    assert statuses["kill_parent"] == "error"
+    assert statuses["kill_parent"] != "timeout"  # it cannot see the harness: no parent to kill
     assert not marker_processes()
 
 
@@ -145,7 +144,7 @@ def test_a_good_program_passes_and_case_outcomes_are_kept():
         "outputs": ["3\n", "10\n", "1\n"],  # the last one is wrong on purpose
     }
     program = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
-    score, run = run_tests({"prompt": "", "response": program, "extra": {"tests": tests}})
+    score, run, _ = run_tests({"prompt": "", "response": program, "extra": {"tests": tests}})
     assert score == pytest.approx(2 / 3)
     assert [c["stdout"] for c in run.cases] == ["3\n", "10\n", "0\n"]
 
@@ -167,13 +166,13 @@ def test_call_based_cases_leetcode_and_taco_shapes():
         {"fn_name": "f", "args": [1], "expected": 1},
         {"fn_name": "f", "args": [2], "expected": 2},
     ]
-    score, run = run_tests(
+    score, run, _ = run_tests(
         {"prompt": "", "response": hanging, "extra": {"tests": cases}}, sandbox.Limits(case_s=1)
     )
     assert score == 0.0
     assert [c["status"] for c in run.cases] == ["timeout", "skipped"]
-    with pytest.raises(SampleTimeout, match="test case 0 ran over its 1 s limit"):
-        code_reward({"prompt": "", "response": hanging, "extra": {"tests": cases}}, case_s=1)
+    scored = code_reward({"prompt": "", "response": hanging, "extra": {"tests": cases}}, case_s=1)
+    assert scored == 0.0 and "case 0: timeout" in scored.detail
 
 
 def test_no_sandbox_is_a_clear_refusal_unless_unsafe(monkeypatch):
@@ -201,12 +200,11 @@ def test_escapes_through_a_real_worker_leave_it_alive_and_scoring(canaries, tmp_
     with Worker(config, "code") as worker:
         # When every escape attempt is scored through the queue
         outcomes = qreward_queue.submit_batch(batch_in, route="code", app=app).outcomes(timeout=120)
-        # Then each one scores 0 (contained) or is a timeout, the honest program scores 1,
-        # and the worker lives on
-        hanging = {"fork_bomb", "infinite_loop"}
-        want = [("timeout" if name in hanging else "ok", 0.0) for name in programs]
+        # Then each one is contained and scores 0 (a hang is a failed case, not unscored),
+        # the honest program scores 1, and the worker lives on
+        want = [("ok", 0.0) for _ in programs]
         assert [(o.status, o.score) for o in outcomes] == [*want, ("ok", 1.0)], outcomes
-        assert "test case 0 ran over its 2 s limit" in outcomes[5].error
+        assert "case 0: timeout" in outcomes[5].detail
         assert worker.proc.poll() is None
         again = qreward_queue.submit_batch([batch_in[-1]], route="code", app=app)
         assert again.get(timeout=60) == [1.0]

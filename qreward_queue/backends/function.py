@@ -44,6 +44,7 @@ STARTUP_GRACE_S = 30.0  # a new helper's imports before sample 0 are not that sa
 POLL_S = 0.25  # the parent looks at the slot at least this often (a new helper's first stamp)
 FRAME_ROOM = 128 * 1024  # bytes of frame stack the helper loop reserves (see _with_frame_room)
 _PAGE = os.sysconf("SC_PAGE_SIZE")
+PR_SET_CHILD_SUBREAPER = 36
 _local = threading.local()
 
 
@@ -71,7 +72,9 @@ class FunctionBackend(BackendClient):
 
     def call(self, samples: list[dict]) -> Call:
         load_function(self.config.function)  # a bad path fails the call here, before any fork
-        return Call(runner(self.config).score(samples), details=[None] * len(samples))
+        results = runner(self.config).score(samples)
+        scores = [r[0] if isinstance(r, tuple) else r for r in results]
+        return Call(scores, details=[r[1] if isinstance(r, tuple) else None for r in results])
 
 
 def runner(config: Backend) -> HelperRunner:
@@ -100,7 +103,7 @@ class HelperRunner:
         self.conn: Connection | None = None
         self.chunks = 0
 
-    def score(self, samples: list[dict]) -> list[float | ScoringError]:
+    def score(self, samples: list[dict]) -> list[float | tuple[float, str] | ScoringError]:
         results: list[float | ScoringError | None] = [None] * len(samples)
         pending = list(range(len(samples)))
         while pending:
@@ -195,8 +198,9 @@ class HelperRunner:
                 self.stop()
 
     def stop(self) -> None:
-        """Kill the helper and everything in its process group."""
+        """Kill the helper and everything it started (in its process group or not)."""
         if self.proc is not None and self.proc.pid is not None:
+            kill_tree(self.proc.pid)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.join(5)
@@ -279,13 +283,44 @@ _ERRORS = {"timeout": SampleTimeout, "error": PermanentError}
 
 
 def _receive(message: bytes, pending: list[int], results: list) -> int:
-    """Store one helper message (`[first index, [score or [status, reason], ...]]`)."""
+    """Store one helper message (`[first index, [score, [score, detail] or
+    [status, reason], ...]]`)."""
     start, values = json.loads(message)
     for j, value in enumerate(values):
-        results[pending[start + j]] = (
-            float(value) if not isinstance(value, list) else _ERRORS[value[0]](value[1])
-        )
+        if not isinstance(value, list):
+            results[pending[start + j]] = float(value)
+        elif isinstance(value[0], str):
+            results[pending[start + j]] = _ERRORS[value[0]](value[1])
+        else:
+            results[pending[start + j]] = (float(value[0]), value[1])
     return start + len(values)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    with contextlib.suppress(OSError, ValueError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as fh:
+                found += [int(x) for x in fh.read().split()]
+    return found
+
+
+def kill_tree(pid: int, keep_root: bool = False) -> None:
+    """SIGKILL `pid` and all its descendants, whatever session or group they moved to: each
+    is stopped first (so it cannot fork away), then all are killed. The helper is a child
+    subreaper, so a descendant whose parent died is still found under it."""
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        if current != pid or not keep_root:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(current, signal.SIGSTOP)
+        found.append(current)
+        todo += [c for c in _children(current) if c not in found]
+    for current in found:
+        if current != pid or not keep_root:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(current, signal.SIGKILL)
 
 
 def _drain(conn: Connection, pending: list[int], results: list, got: int) -> int:
@@ -310,6 +345,7 @@ def _helper_main(
     """The helper's set-up: its own process group, dies with its parent, capped memory."""
     os.setpgrp()  # the parent kills this group: the helper and whatever the function started
     _die_with_parent()
+    ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans stay in our tree
     if memory_limit_mb:
         cap = memory_limit_mb * 2**20
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
@@ -343,7 +379,12 @@ def _serve_loop(conn: Connection, slot, fn: Callable[..., Any], options: dict) -
             slot[1] = time.monotonic()
             slot[0] = k
             value = _score_one(fn, sample, options)
-            out.append(value if isinstance(value, float) else [value.status, str(value)])
+            _end_leftovers()
+            detail = getattr(value, "detail", None)
+            if isinstance(value, float):
+                out.append([float(value), detail] if isinstance(detail, str) else float(value))
+            else:
+                out.append([value.status, str(value)])
             now = time.monotonic()
             if now - flushed >= FLUSH_S or k == len(samples) - 1:
                 conn.send_bytes(json.dumps([first, out]).encode())
@@ -351,6 +392,16 @@ def _serve_loop(conn: Connection, slot, fn: Callable[..., Any], options: dict) -
 
 
 _serve = _with_frame_room(_serve_loop)
+
+
+def _end_leftovers() -> None:
+    """Nothing a sample started outlives it: kill the helper's descendants, reap them."""
+    if not _children(os.getpid()):
+        return
+    kill_tree(os.getpid(), keep_root=True)
+    with contextlib.suppress(ChildProcessError):
+        while True:
+            os.waitpid(-1, 0)
 
 
 def _die_with_parent() -> None:
@@ -368,7 +419,7 @@ def _score_one(fn: Callable[..., Any], sample: dict, options: dict) -> float | S
         return PermanentError(f"reward function raised {type(exc).__name__}: {exc}"[:500])
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
         return PermanentError(f"reward function returned {value!r}"[:200] + ", not a finite number")
-    return float(value)
+    return value if isinstance(getattr(value, "detail", None), str) else float(value)
 
 
 def _finite(value: float) -> bool:

@@ -1,15 +1,23 @@
-"""Runs inside the sandbox (stdlib only): every test case of one program, one fork per case.
+"""Runs inside the sandbox (stdlib only): every test case of one program, one process per case.
 
-Reads a JSON spec on stdin, prepares itself (private tmp, rlimits, an unprivileged uid when it
-starts as root), then forks one child per test case: the child gets the case's input on stdin,
-its own process group, a CPU limit, and runs the program; the harness collects what it printed
-(capped) or returned, and kills the child's group when the case is over or over its time.
-Expected outputs never enter the sandbox: a program cannot read them from memory; the caller
-compares. Writes one JSON object per case to stdout, one per line.
+Protocol on stdin: frames of 10 ASCII digits (the length) and a JSON document: first the
+spec (code, limits, how to set up), then one case at a time ({"input"} or {"fn_name",
+"args"}), read only when that case starts: no later case's input is ever in memory a program
+could read. On stdout, one JSON line each: {"ready": ...} once set up (or {"fatal": why}),
+{"start": k} as case k starts, then the case's outcome.
+
+The harness keeps its privileges (root, or root of its own user namespace) and never touches
+a path after set-up. Each case gets a PID namespace of its own whose pid 1 (the case's init)
+drops privileges (its own uid, or no capabilities at all), loads a seccomp filter and starts
+the program as pid 2: the program cannot see, signal or ptrace the harness, and when the init
+ends the kernel kills everything the program started. Its input is a memfd, its output
+pipes, its /tmp and /dev/shm fresh tmpfs. Expected outputs never enter the sandbox.
 """
 
 import contextlib
 import ctypes
+import errno
+import fcntl
 import json
 import os
 import resource
@@ -19,79 +27,236 @@ import sys
 import time
 import traceback
 
-PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 1, 4, 38
+CLONE_NEWPID, SYS_CLONE = 0x20000000, 56  # x86_64
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP = 1, 4, 24
+PR_SET_SECUREBITS, PR_SET_NO_NEW_PRIVS, PR_SET_CHILD_SUBREAPER, PR_CAP_AMBIENT = 27, 38, 36, 47
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 32, 4096, 16384
+MNT_DETACH = 2
+INODES = 16384  # files per private tmpfs: empty files cost memory that size= does not count
+DEVICES = ("null", "zero", "full", "random", "urandom")
+libc = ctypes.CDLL(None, use_errno=True)
+
+
+NEW_NAMESPACES = (0x80, 0x20000, 0x2000000, 0x4000000, 0x8000000, 0x10000000, 0x20000000,
+                  0x40000000)  # CLONE_NEWTIME, NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, ...
+DENIED = (  # a program needs none of these; each would let it step around the limits
+    "unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "ptrace", "keyctl",
+    "add_key", "request_key", "bpf", "userfaultfd", "perf_event_open", "open_by_handle_at",
+    "io_uring_setup", "fsopen", "fsmount", "fsconfig", "open_tree", "move_mount",
+    "mount_setattr",
+)
+SCMP_ACT_ALLOW, SCMP_ACT_ERRNO, SCMP_CMP_MASKED_EQ = 0x7FFF0000, 0x00050000, 7
+
+
+class ArgCmp(ctypes.Structure):
+    _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("a", ctypes.c_uint64),
+                ("b", ctypes.c_uint64)]
+
+
+def syscall_filter():
+    """A seccomp filter (libseccomp) refusing new namespaces (a user namespace would let a
+    program mount a tmpfs of its own), mounts, ptrace, keyrings and bpf; None without
+    libseccomp."""
+    try:
+        lib = ctypes.CDLL("libseccomp.so.2")
+    except OSError:
+        return None
+    lib.seccomp_init.restype = ctypes.c_void_p
+    lib.seccomp_rule_add_array.argtypes = [
+        ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint, ctypes.POINTER(ArgCmp)
+    ]
+    lib.seccomp_load.argtypes = [ctypes.c_void_p]
+    ctx = lib.seccomp_init(SCMP_ACT_ALLOW)
+
+    def refuse(name, err, *compare):
+        number = lib.seccomp_syscall_resolve_name(name.encode())
+        if number >= 0:
+            array = (ArgCmp * max(1, len(compare)))(*compare)
+            action = SCMP_ACT_ERRNO | err
+            rule = lib.seccomp_rule_add_array(ctx, action, number, len(compare), array)
+            check(rule, f"seccomp rule for {name}")
+
+    for name in DENIED:
+        refuse(name, errno.EPERM)
+    refuse("clone3", errno.ENOSYS)  # the C library falls back to clone, whose flags we see
+    for flag in NEW_NAMESPACES:
+        refuse("clone", errno.EPERM, ArgCmp(0, SCMP_CMP_MASKED_EQ, flag, flag))
+    return lib, ctx
+
+
+class SandboxFault(Exception):
+    """The harness cannot run a case: the host reports the sample as an error."""
+
+
+def check(result, what):
+    if result != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def read_frame():
+    """One frame from stdin, read without buffering ahead."""
+    head = read_exactly(10)
+    return json.loads(read_exactly(int(head))) if head else None
+
+
+def read_exactly(n):
+    data = b""
+    while len(data) < n:
+        chunk = os.read(0, n - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
 
 
 def prepare(spec):
-    """Private tmp (unshare mode), a work dir, rlimits, then drop root for good."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if spec.get("mount_tmp") and libc.mount(b"tmpfs", b"/tmp", b"tmpfs", 0, b"size=64m") != 0:
-        raise OSError(ctypes.get_errno(), "mounting a private /tmp failed")
+    """The unshare mechanism's own root; the harness's own protections."""
+    if spec.get("root"):
+        build_root(spec["root"])
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # a case's first process comes back to us
+    libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    spec["filter"] = syscall_filter()
+    fresh_directories(spec, first=True)
+
+
+def fresh_directories(spec, first=False):
+    """Empty writable directories for the next case (new size-capped tmpfs mounts: nothing
+    an earlier case wrote is left, and the harness never walks what a program made). A
+    tmpfs counts every inode and block: when none was used since, it is still empty."""
+    if not first and [usage(path) for path in spec["tmpfs"]] == spec["fresh"]:
+        return
+    for path, size_mb in spec["tmpfs"].items():
+        if not first:
+            check(libc.umount2(path.encode(), MNT_DETACH), f"umount {path}")
+        options = f"size={size_mb}m,nr_inodes={INODES},mode=1777".encode()
+        check(libc.mount(b"tmpfs", path.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options), path)
+    if spec.get("root"):  # /var/tmp is the same directory as /tmp
+        if not first:
+            check(libc.umount2(b"/var/tmp", MNT_DETACH), "umount /var/tmp")
+        bind("/tmp", "/var/tmp", read_only=False)
     work = spec["work"]
     os.makedirs(work, exist_ok=True)
-    uid = spec.get("uid")
-    if uid is not None and os.getuid() == 0:
-        os.chown(work, uid, uid)
+    if spec.get("uid") is not None:
+        os.chown(work, spec["uid"], spec["uid"])
     os.chdir(work)
-    limits = spec["limits"]
-    for name, value in (
-        ("RLIMIT_AS", limits["memory_mb"] * 2**20),
-        ("RLIMIT_NPROC", limits["processes"]),
-        ("RLIMIT_FSIZE", limits["file_mb"] * 2**20),
-        ("RLIMIT_NOFILE", limits["open_files"]),
-        ("RLIMIT_CORE", 0),
-    ):
-        resource.setrlimit(getattr(resource, name), (value, value))
-    if uid is not None and os.getuid() == 0:
-        os.setgroups([])
-        os.setgid(uid)
-        os.setuid(uid)
-    libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-    libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # a test case may not ptrace the harness
+    spec["fresh"] = [usage(path) for path in spec["tmpfs"]]
+
+
+def usage(path):
+    stat = os.statvfs(path)
+    return stat.f_bfree, stat.f_ffree
+
+
+def build_root(root):
+    """What bwrap gives, for `unshare`: a read-only tmpfs as /, the system directories bound
+    read-only, a few device nodes, mount points for /tmp, /var/tmp and /dev/shm; the host's
+    tree gone."""
+    new = root["at"]
+    check(libc.mount(b"tmpfs", new.encode(), b"tmpfs", MS_NOSUID, b"size=1m,mode=755"), "tmpfs")
+    os.umask(0)
+    for path in root["binds"]:
+        target = new + path
+        if os.path.islink(path):
+            os.makedirs(os.path.dirname(target), 0o755, exist_ok=True)
+            os.symlink(os.readlink(path), target)
+            continue
+        os.makedirs(target, 0o755, exist_ok=True)
+        bind(path, target, read_only=True)
+    for path in root["hide"]:
+        hidden = f"{new}{path}".encode()
+        check(libc.mount(b"tmpfs", hidden, b"tmpfs", MS_RDONLY | MS_NOSUID, b"size=4k"), path)
+    for name in ("tmp", "var/tmp", "dev/shm"):  # mounted by fresh_directories
+        os.makedirs(f"{new}/{name}", 0o755)
+    for name in DEVICES:
+        os.close(os.open(f"{new}/dev/{name}", os.O_CREAT | os.O_WRONLY, 0o666))
+        bind(f"/dev/{name}", f"{new}/dev/{name}", read_only=False)
+    os.makedirs(f"{new}/.old", 0o700)
+    check(libc.syscall(155, new.encode(), f"{new}/.old".encode()), "pivot_root")  # x86_64
+    os.chdir("/")
+    check(libc.umount2(b"/.old", MNT_DETACH), "umount old root")
+    os.rmdir("/.old")
+    check(libc.mount(None, b"/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID, None), "ro /")
+    os.umask(0o022)
+
+
+def bind(source, target, read_only):
+    check(libc.mount(source.encode(), target.encode(), None, MS_BIND | MS_REC, None), "bind")
+    if read_only:  # keep the flags the kernel locks (nosuid, nodev, ...) of the source mount
+        kept = os.statvfs(source).f_flag & (2 | 4 | 8 | 1024 | 2048)
+        flags = MS_REMOUNT | MS_BIND | MS_RDONLY | kept
+        if os.statvfs(source).f_flag & 4096:  # ST_RELATIME
+            flags |= 1 << 21
+        check(libc.mount(None, target.encode(), None, flags, None), "read-only bind")
 
 
 def run_case(spec, case, index):
-    """Fork, run one case in the child, collect its output in the parent."""
-    in_path = f"in{index}"
-    with open(in_path, "w") as fh:
-        fh.write(case.get("input", ""))
-    out_r, out_w = os.pipe()
-    res_r, res_w = os.pipe()
-    pid = os.fork()
+    """Start the case in a new PID namespace, collect what it printed (capped) or returned."""
+    stdin = os.memfd_create(f"in{index}")
+    os.write(stdin, case.get("input", "").encode())
+    os.lseek(stdin, 0, os.SEEK_SET)
+    pipes = [os.pipe() for _ in range(4)]  # stdout, result, stderr, how the program ended
+    # a bare clone (this process has one thread): the child is pid 1 of a new namespace
+    flags = signal.SIGCHLD | (CLONE_NEWPID if spec["pidns"] else 0)
+    pid = libc.syscall(SYS_CLONE, flags, None, None, None, None)
     if pid == 0:
-        os.close(out_r)
-        os.close(res_r)
-        child(spec, case, in_path, out_w, res_w)
-    os.close(out_w)
-    os.close(res_w)
-    outcome = collect(pid, out_r, res_r, spec["case_s"], spec["output_bytes"])
-    os.close(out_r)
-    os.close(res_r)
+        child(spec, case, stdin, pipes)
+    if pid < 0:
+        raise OSError(ctypes.get_errno(), "cannot start the case's process")
+    for _, w in pipes:
+        os.close(w)
+    os.close(stdin)
+    outcome = collect(pid, [r for r, _ in pipes[:3]], pipes[3][0], spec)
+    for r, _ in pipes:
+        os.close(r)
     return outcome
 
 
-def child(spec, case, in_path, out_w, res_w):
-    """The test case's process: never returns."""
+def child(spec, case, stdin, pipes):
+    """The case's init (pid 1 of its namespace): drops privileges, starts the program, tells
+    the harness how it ended; when it exits the kernel kills whatever the program left."""
     code = 1
     try:
-        os.setpgid(0, 0)
-        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        cpu = int(spec["case_s"]) + 1
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-        stdin = os.open(in_path, os.O_RDONLY)
-        os.dup2(stdin, 0)
-        os.dup2(out_w, 1)
-        err = os.open("stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.dup2(err, 2)
+        os.setsid()  # a group of its own: kill(0) from the program cannot reach the harness
+        wanted = (stdin, pipes[0][1], pipes[2][1], pipes[1][1], pipes[3][1])
+        high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 1000) for fd in wanted]
+        for target, fd in enumerate(high):  # as fds 0-4
+            os.dup2(fd, target)
+        os.closerange(5, 1 << 16)
+        try:
+            limit(spec)
+            program = os.fork()
+        except Exception as exc:  # the sandbox's fault, not the program's
+            os.write(4, f"E{type(exc).__name__}: {exc}".encode())
+            raise
+        if program == 0:
+            os.close(4)
+            run_program(spec, case)
+        for fd in range(4):
+            os.close(fd)
+        while True:
+            pid, status = os.waitpid(-1, 0)
+            if pid == program:
+                break
+        os.write(4, str(status).encode())
+        code = 0
+    finally:
+        os._exit(code)
+
+
+def run_program(spec, case):
+    """The program's process: never returns."""
+    code = 1
+    try:
         sys.stdin = open(0, closefd=False)  # noqa: SIM115
         sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
         sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+        dumps = json.dumps  # taken before the program can replace it
         namespace = {"__name__": "__main__" if "fn_name" not in case else "solution"}
         try:
             exec(compile(spec["code"], "<solution>", "exec"), namespace)
             if "fn_name" in case:
-                value = call(namespace, case)
-                os.write(res_w, json.dumps(value).encode())
+                os.write(3, dumps(call(namespace, case)).encode())
             code = 0
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -102,6 +267,38 @@ def child(spec, case, in_path, out_w, res_w):
         sys.stderr.flush()
     finally:
         os._exit(code)
+
+
+def limit(spec):
+    """rlimits, then no privilege at all: the sandbox's uid, or no capabilities."""
+    limits = spec["limits"]
+    cpu = int(limits["case_s"]) + 1
+    for name, value in (
+        ("RLIMIT_AS", limits["memory_mb"] * 2**20),
+        ("RLIMIT_NPROC", spec["nproc"]),
+        ("RLIMIT_FSIZE", limits["file_mb"] * 2**20),
+        ("RLIMIT_NOFILE", limits["open_files"]),
+        ("RLIMIT_CORE", 0),
+        ("RLIMIT_CPU", cpu),
+    ):
+        resource.setrlimit(getattr(resource, name), (value, value))
+    uid = spec.get("uid")
+    if spec["drop"] == "uid":
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+    elif spec["drop"] == "caps":  # root of a user namespace: drop every capability, for good
+        check(libc.prctl(PR_SET_SECUREBITS, 0x2F, 0, 0, 0), "securebits")
+        for cap in range(64):
+            if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+                break
+        libc.prctl(PR_CAP_AMBIENT, 4, 0, 0, 0)
+        header = (ctypes.c_uint32 * 2)(0x20080522, 0)
+        check(libc.capset(header, (ctypes.c_uint32 * 6)()), "capset")
+    check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    if spec["filter"] is not None:
+        lib, ctx = spec["filter"]
+        check(lib.seccomp_load(ctx), "seccomp")
 
 
 def call(namespace, case):
@@ -115,12 +312,15 @@ def call(namespace, case):
     return target(*case.get("args", []))
 
 
-def collect(pid, out_r, res_r, case_s, cap):
-    """Read the child's stdout (capped) until it exits or runs out of time; kill its group."""
+def collect(pid, fds, ended, spec):
+    """Read stdout/result (capped) and stderr (its tail) until the case ends or runs out of
+    time; then kill its namespace (killing its pid 1 kills everything in it)."""
+    case_s, cap = spec["limits"]["case_s"], spec["limits"]["output_bytes"]
     started = time.monotonic()
-    chunks, size, status = [], 0, None
-    open_fds = [out_r, res_r]
-    result = b""
+    done = os.pidfd_open(pid)
+    data = {fd: b"" for fd in fds}
+    status = None
+    open_fds = [*fds, done]
     while open_fds:
         left = started + case_s - time.monotonic()
         if left <= 0:
@@ -128,53 +328,79 @@ def collect(pid, out_r, res_r, case_s, cap):
             break
         ready, _, _ = select.select(open_fds, [], [], left)
         for fd in ready:
-            data = os.read(fd, 65536)
-            if not data:
+            if fd == done:  # pid 1 ended: the kernel kills the rest; read what is left
                 open_fds.remove(fd)
-            elif fd == out_r:
-                chunks.append(data)
-                size += len(data)
-            else:
-                result += data[: cap - len(result)]
-        if size > cap:
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                open_fds.remove(fd)
+                continue
+            data[fd] += chunk
+            if fd == fds[2]:
+                data[fd] = data[fd][-2000:]
+        if len(data[fds[0]]) > cap or len(data[fds[1]]) > cap:
             status = "output_limit"
             break
-    with contextlib.suppress(ProcessLookupError):  # the case and whatever it left running
-        os.killpg(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        (os.kill if spec["pidns"] else os.killpg)(pid, signal.SIGKILL)
     _, wait_status = os.waitpid(pid, 0)
-    code = os.waitstatus_to_exitcode(wait_status)
+    os.close(done)
+    told = os.read(ended, 300)  # how the program ended, if its init saw it end
+    if told.startswith(b"E"):
+        raise SandboxFault(f"a test case could not be set up: {told[1:].decode()}")
+    code = os.waitstatus_to_exitcode(int(told) if told else wait_status)
     out = {"status": status, "exit": code, "s": round(time.monotonic() - started, 3)}
-    out["stdout"] = b"".join(chunks)[:cap].decode("utf-8", "replace")
-    if result:
-        out["result"] = result.decode("utf-8", "replace")
+    out["stdout"] = data[fds[0]][:cap].decode("utf-8", "replace")
+    if data[fds[1]]:
+        out["result"] = data[fds[1]][:cap].decode("utf-8", "replace")
     if status is None:
         out["status"] = "ok" if code == 0 else "error"
         if code != 0:
-            out["error"] = describe(code)
+            out["error"] = describe(code, data[fds[2]])
     return out
 
 
-def describe(code):
-    try:
-        with open("stderr", "rb") as fh:
-            tail = fh.read()[-600:].decode("utf-8", "replace").strip()
-    except OSError:
-        tail = ""
-    head = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+def describe(code, stderr):
+    tail = stderr[-600:].decode("utf-8", "replace").strip()
+    head = f"exit code {code}"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            head = f"killed by {signal.Signals(-code).name}"
     return f"{head}: {tail}" if tail else head
 
 
+def emit(message):
+    os.write(1, (json.dumps(message) + "\n").encode())
+
+
 def main():
-    spec = json.loads(sys.stdin.read())
-    prepare(spec)
-    timed_out = False
-    for index, case in enumerate(spec["tests"]):
-        if timed_out:  # a program that hung once would hang again: skip its remaining cases
-            outcome = {"status": "skipped", "error": "not run: an earlier case timed out"}
-        else:
+    spec = read_frame()
+    try:
+        prepare(spec)
+    except Exception as exc:  # the sandbox itself is broken: the host says `error`
+        emit({"fatal": f"{type(exc).__name__}: {exc}"})
+        return
+    emit({"ready": os.getpid(), "seccomp": spec["filter"] is not None})
+    deadline = time.monotonic() + spec["limits"]["time_s"]
+    skip = None
+    for index in range(spec["cases"]):
+        case = read_frame()
+        if skip is None and time.monotonic() >= deadline:
+            skip = f"not run: the program used up the run's {spec['limits']['time_s']:g} s"
+        if skip is not None:
+            emit({"status": "skipped", "error": skip})
+            continue
+        emit({"start": index})
+        try:
+            if index:
+                fresh_directories(spec)
             outcome = run_case(spec, case, index)
-            timed_out = outcome["status"] == "timeout"
-        print(json.dumps(outcome), flush=True)
+        except (OSError, SandboxFault) as exc:
+            emit({"fatal": str(exc)})
+            return
+        if outcome["status"] == "timeout":  # it would hang again: skip the remaining cases
+            skip = "not run: an earlier case ran over its time limit"
+        emit(outcome)
 
 
 if __name__ == "__main__":

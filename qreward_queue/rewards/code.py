@@ -11,10 +11,11 @@ the shapes of the usual data sets:
 The program is the last ```python fenced block of the response (else the whole response).
 All cases of one sample run in ONE sandbox (`sandbox.run_cases`: one process, a fork per
 case), which is what makes thousands of samples per minute possible. Expected outputs stay
-outside the sandbox; stdout is compared line by line with trailing whitespace ignored, and
-numbers within 1e-6. A program that hangs is stopped at `case_s` and its remaining cases are
-skipped: `code_reward` then raises SampleTimeout (the sample's status is `timeout`, with the
-case named), `run_tests` counts them as failed.
+outside the sandbox; stdout is compared line by line with trailing whitespace ignored,
+integer tokens exactly and decimal ones within `float_tol` (default 1e-6, absolute or
+relative above 1; a backend file sets it in `[backend.options]`). The program's own
+failures (wrong output, a crash, a hang past `case_s`, a limit) fail those cases: the sample
+is scored, with the reasons in the outcome's `detail`. A hang skips the remaining cases.
 
 Example:
     >>> code_reward({"prompt": "", "response": "print(int(input()) * 2)",
@@ -25,11 +26,10 @@ Example:
 from __future__ import annotations
 
 import json
-import math
 import re
 from typing import Any
 
-from ..errors import SampleTimeout
+from . import Scored
 from .sandbox import Limits, Run, run_cases
 
 _FENCE = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
@@ -73,47 +73,110 @@ def load_tests(sample: dict) -> list[dict]:
     return raw
 
 
-def _same_token(a: str, b: str) -> bool:
-    if a == b:
+_INT = re.compile(r"[+-]?[0-9]+")
+_FLOAT = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+FLOAT_TOL = 1e-6
+MAX_DEPTH = 100  # nesting of a call's expected value compared; deeper is a failed case
+
+
+def _integer(token: str) -> str:
+    digits = token.lstrip("+-").lstrip("0") or "0"
+    return ("-" if token.startswith("-") and digits != "0" else "") + digits
+
+
+def _close(got: float, want: float, tol: float) -> bool:
+    return abs(got - want) <= tol * max(1.0, abs(want))
+
+
+def _same_token(got: str, want: str, tol: float) -> bool:
+    """Integers exactly (any length); a decimal expected value within `tol`; else equal text."""
+    if got == want:
         return True
-    try:
-        x, y = float(a), float(b)
-    except ValueError:
-        return False
-    return math.isclose(x, y, rel_tol=1e-6, abs_tol=1e-6)
+    if _INT.fullmatch(want):
+        return _INT.fullmatch(got) is not None and _integer(got) == _integer(want)
+    if _FLOAT.fullmatch(want) and _FLOAT.fullmatch(got):
+        return _close(float(got), float(want), tol)
+    return False
 
 
-def same_output(got: str, want: str) -> bool:
-    """Equal line by line, trailing whitespace and blank lines ignored, numbers within 1e-6."""
+def same_output(got: str, want: str, float_tol: float = FLOAT_TOL) -> bool:
+    """Equal line by line, trailing whitespace and blank lines ignored; integer tokens
+    exactly, decimal ones within `float_tol` (absolute, or relative above 1)."""
     lines = [line.rstrip() for line in got.strip().splitlines()]
     expected = [line.rstrip() for line in str(want).strip().splitlines()]
     if lines == expected:
         return True
     tokens, wanted = " ".join(lines).split(), " ".join(expected).split()
-    return len(tokens) == len(wanted) and all(map(_same_token, tokens, wanted))
+    return len(tokens) == len(wanted) and all(
+        _same_token(a, b, float_tol) for a, b in zip(tokens, wanted, strict=True)
+    )
 
 
-def passed(case: dict, outcome: dict) -> bool:
-    """Did the program pass this case?"""
+def same_value(got: Any, want: Any, float_tol: float = FLOAT_TOL, depth: int = 0) -> bool:
+    """JSON values equal: types must match (a bool is not 1), integers exactly, a float
+    expected within `float_tol`, lists and objects element by element."""
+    if depth > MAX_DEPTH:
+        return False
+    if isinstance(want, bool) or isinstance(got, bool) or want is None or isinstance(want, str):
+        return type(got) is type(want) and got == want
+    if isinstance(want, int):
+        return type(got) is int and got == want
+    if isinstance(want, float):
+        return isinstance(got, (int, float)) and _close(float(got), want, float_tol)
+    if isinstance(want, list):
+        return (
+            isinstance(got, list)
+            and len(got) == len(want)
+            and all(same_value(g, w, float_tol, depth + 1) for g, w in zip(got, want, strict=True))
+        )
+    if isinstance(want, dict):
+        return (
+            isinstance(got, dict)
+            and got.keys() == want.keys()
+            and all(same_value(got[k], want[k], float_tol, depth + 1) for k in want)
+        )
+    return False
+
+
+def verdict(case: dict, outcome: dict, float_tol: float = FLOAT_TOL) -> str | None:
+    """None when the program passed this case, else why not. Never raises: whatever the
+    program printed or returned, a comparison that fails is a failed case."""
     if outcome.get("status") != "ok":
-        return False
-    if "fn_name" not in case:
-        return same_output(outcome.get("stdout", ""), case["output"])
+        return outcome.get("error") or outcome.get("status", "no outcome")
     try:
-        value = json.loads(outcome.get("result", ""))
-    except ValueError:
-        return False
-    want = case.get("expected")
-    # TACO wraps a call's expected value in a one-element list
-    return value == want or (isinstance(want, list) and len(want) == 1 and value == want[0])
+        if "fn_name" not in case:
+            ok = same_output(outcome.get("stdout", ""), case["output"], float_tol)
+            return None if ok else "wrong output"
+        try:
+            value = json.loads(outcome.get("result", ""))
+        except ValueError:
+            return "no JSON value returned"
+        want = case.get("expected")
+        # TACO wraps a call's expected value in a one-element list
+        ok = same_value(value, want, float_tol) or (
+            isinstance(want, list) and len(want) == 1 and same_value(value, want[0], float_tol)
+        )
+        return None if ok else "wrong value returned"
+    except Exception as exc:  # e.g. RecursionError on a deeply nested value
+        return f"cannot compare the output ({type(exc).__name__})"
+
+
+def passed(case: dict, outcome: dict, float_tol: float = FLOAT_TOL) -> bool:
+    """Did the program pass this case?"""
+    return verdict(case, outcome, float_tol) is None
 
 
 def _as_args(args: Any) -> list:
     return args if isinstance(args, list) else [args]
 
 
-def run_tests(sample: dict, limits: Limits = Limits(), unsafe: bool = False) -> tuple[float, Run]:  # noqa: B008
-    """(fraction passed, the sandbox run with every case's outcome) for one sample."""
+def run_tests(
+    sample: dict,
+    limits: Limits = Limits(),  # noqa: B008
+    unsafe: bool = False,
+    float_tol: float = FLOAT_TOL,
+) -> tuple[float, Run, list[str | None]]:
+    """(fraction passed, the sandbox run with every case's outcome, why each case failed)."""
     cases = load_tests(sample)
     inputs = [
         {"fn_name": c["fn_name"], "args": _as_args(c.get("args", []))}
@@ -122,8 +185,8 @@ def run_tests(sample: dict, limits: Limits = Limits(), unsafe: bool = False) -> 
         for c in cases
     ]
     run = run_cases(extract_code(sample["response"]), inputs, limits, unsafe=unsafe)
-    ok = sum(passed(c, o) for c, o in zip(cases, run.cases, strict=True))
-    return ok / len(cases), run
+    why = [verdict(c, o, float_tol) for c, o in zip(cases, run.cases, strict=True)]
+    return sum(w is None for w in why) / len(cases), run, why
 
 
 def code_reward(
@@ -132,14 +195,13 @@ def code_reward(
     case_s: float = 2.0,
     memory_mb: int = 512,
     unsafe: bool = False,
-) -> float:
-    """Fraction of the sample's test cases the response's program passes, in a sandbox."""
+    float_tol: float = FLOAT_TOL,
+) -> Scored:
+    """Fraction of the sample's test cases the response's program passes, in a sandbox; the
+    failed cases and why in `.detail`. A program that hangs, crashes or overruns a limit
+    fails those cases; only the sandbox's own failure raises (SandboxError: `error`)."""
     limits = Limits(time_s=time_s, case_s=case_s, memory_mb=memory_mb)
-    score, run = run_tests(sample, limits, unsafe)
-    hung = [k for k, case in enumerate(run.cases) if case.get("status") == "timeout"]
-    if hung:
-        raise SampleTimeout(
-            f"test case {hung[0]} ran over its {case_s:g} s limit "
-            f"({score:.0%} of the cases passed before it)"
-        )
-    return score
+    score, _, why = run_tests(sample, limits, unsafe, float_tol)
+    failed = [f"case {k}: {w}" for k, w in enumerate(why) if w is not None]
+    detail = f"{len(why) - len(failed)}/{len(why)} cases passed"
+    return Scored(score, "; ".join([detail, *failed])[:1000])

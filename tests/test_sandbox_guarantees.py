@@ -1,0 +1,342 @@
+"""What the code sandbox guarantees, one test per class of attack, under bwrap and unshare.
+
+Programs go through `code_reward` as a worker runs it (the mechanism forced per test). CI runs
+this module as root and as a normal user. Each test states the class it checks; the programs
+are examples of the class, the assertions are about the class's promise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from textwrap import dedent
+
+import psutil
+import pytest
+
+from qreward_queue.backends import make_backend
+from qreward_queue.config import Backend, Pool
+from qreward_queue.rewards import cgroups, sandbox
+from qreward_queue.rewards.code import code_reward
+
+
+@pytest.fixture(params=sandbox.MECHANISMS)
+def mechanism(request, monkeypatch):
+    why = sandbox.probe(request.param)
+    if why is not None:
+        pytest.skip(why)
+    monkeypatch.setattr(sandbox, "pick_mechanism", lambda unsafe=False: request.param)
+    return request.param
+
+
+def score(program: str, cases: list[dict], **options) -> float:
+    return code_reward({"prompt": "", "response": program, "extra": {"tests": cases}}, **options)
+
+
+def stdin_cases(*pairs: tuple[str, str]) -> list[dict]:
+    return [{"input": i, "output": o} for i, o in pairs]
+
+
+def host_processes_with(marker: str) -> list[psutil.Process]:
+    """Processes with `marker` as one of their arguments."""
+    return [p for p in psutil.process_iter(["cmdline"]) if marker in (p.info["cmdline"] or ())]
+
+
+# 1. An infrastructure failure is never a score.
+def test_1_every_program_gets_a_working_interpreter_and_a_broken_sandbox_is_an_error(
+    mechanism, monkeypatch
+):
+    # Given a correct program that needs standard modules the harness never loaded
+    program = (
+        "import heapq, bisect, fractions, decimal, statistics\n"
+        "xs = list(map(int, input().split()))\nprint(heapq.nsmallest(2, xs))"
+    )
+    # Then it passes, wherever the interpreter lives (here: under a root-only home)
+    assert score(program, stdin_cases(("5 1 4 2", "[1, 2]"))) == 1.0
+    assert sandbox.describe().startswith(f"code sandbox: {mechanism}, ")
+    # And when the sandbox itself cannot run, the sample is an error, never a number
+    monkeypatch.setattr(sandbox, "HARNESS", "import os; os._exit(3)")
+    with pytest.raises(sandbox.SandboxError, match="ended early"):
+        score("print(1)", stdin_cases(("", "1")))
+
+
+def test_1_a_code_pool_refuses_to_start_without_a_working_sandbox(tmp_path):
+    backend = tmp_path / "code.toml"
+    code_reward_path = "qreward_queue.rewards.code:code_reward"
+    backend.write_text(f'[backend]\nkind = "function"\nfunction = "{code_reward_path}"\n')
+    env = {**os.environ, "PATH": str(tmp_path), "QRQ_REDIS_URL": "redis://127.0.0.1:1/0"}
+    done = subprocess.run(
+        [sys.executable, "-m", "qreward_queue.cli", "worker", str(backend)],
+        env=env, capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no sandbox for generated code: bwrap is not installed" in lines[0]
+
+
+# 2. Comparison cannot be gamed.
+def test_2_integers_exactly_floats_within_the_tolerance_and_comparing_never_raises(mechanism):
+    near = [("print(1000000000)", "1000000006"), ("print(999999)", "1000000")]
+    for program, want in near:
+        assert score(program, stdin_cases(("", want))) == 0.0, program
+    assert score("print(123456789012345678901234567890)", stdin_cases(("", "0" + "1" * 30))) == 0
+    assert score("print('+0012')", stdin_cases(("", "12"))) == 1.0
+    assert score("print(0.3333334)", stdin_cases(("", "0.3333333"))) == 1.0
+    assert score("print(0.3334)", stdin_cases(("", "0.3333"))) == 0.0
+    assert score("print(0.3334)", stdin_cases(("", "0.3333")), float_tol=1e-3) == 1.0
+    calls = [{"fn_name": "f", "args": [], "expected": k} for k in (1, 2)]
+    assert score("def f():\n    return True", calls[:1]) == 0.0  # a bool is not 1
+    hostile = [
+        "import json\njson.dumps = lambda *a, **k: 1 / 0\ndef f():\n    return 1",
+        "def f():\n    x = []\n    x.append(x)\n    return x",  # circular
+        "def f():\n    x = 1\n    for _ in range(100000):\n        x = [x]\n    return x",
+        "def f():\n    return eval('[' * 5000 + ']' * 5000)",  # fine to dump, deep to load
+        "import json\njson._default_encoder = None\ndef f():\n    return 2",
+    ]
+    for program in hostile:
+        scored = score(program, calls)  # a number, never an exception
+        assert 0.0 <= scored <= 0.5 and scored.detail, program
+
+
+# 3. A failing program cannot make itself unscored.
+def test_3_hangs_crashes_and_attacks_on_the_harness_are_failed_cases(mechanism):
+    # Given a program that answers even inputs right and attacks the harness on odd ones
+    program = dedent("""
+        import os, signal, sys
+        n = int(input())
+        if n % 2 == 0:
+            print(n * 2)
+            sys.exit(0)
+        for path in ("in3", "in5", "stderr", "stdout", "../in3", "/tmp/in3"):
+            try:
+                os.mkfifo(path)
+            except OSError:
+                pass
+        for sig in (signal.SIGSTOP, signal.SIGKILL):
+            for pid in {os.getppid(), 1, 2, 3, -1} - {os.getpid()}:
+                try:
+                    os.kill(pid, sig)
+                except OSError:
+                    pass
+        if n == 7:
+            while True:
+                pass
+        if n == 5:
+            os.abort()
+        os.kill(0, signal.SIGKILL)
+    """)
+    cases = stdin_cases(*[(str(n), str(n * 2)) for n in (0, 1, 2, 3, 4, 5, 6)], ("7", "14"))
+    started = time.monotonic()
+    scored = score(program, cases, case_s=1)
+    # Then the sample is scored: every even case passed, the rest failed with a reason
+    assert scored == 4 / 8, scored.detail
+    for reason in ("case 1: killed by SIGKILL", "case 5: killed by SIGABRT", "case 7: timeout"):
+        assert reason in scored.detail
+    assert time.monotonic() - started < 8
+
+
+# 4. Limits are per sample, not per process.
+def test_4_memory_processes_and_disk_are_bounded_for_the_whole_sample(mechanism):
+    forks = dedent("""
+        import os, time
+        pipes = []
+        for _ in range(5):
+            r, w = os.pipe()
+            try:
+                pid = os.fork()
+            except OSError:
+                break
+            if pid == 0:
+                b = bytearray(300 * 2**20)
+                b[::4096] = b"x" * len(b[::4096])  # resident, not just reserved
+                os.write(w, b"1")
+                time.sleep(1)
+                os._exit(0)
+            pipes.append(r)
+        print(sum(len(os.read(r, 1)) for r in pipes))
+    """)
+    assert score(forks, stdin_cases(("", "5")), case_s=3) == 0.0
+    fill = (
+        "import os\nn = 0\nfor d in ('/tmp', '/dev/shm', '/var/tmp', '.'):\n"
+        "    try:\n        for i in range(20):\n"
+        "            with open(f'{d}/f{i}', 'wb') as f:\n"
+        "                f.write(b'x' * 15 * 2**20)\n            n += 15\n"
+        "    except OSError:\n        pass\nprint('big' if n >= 300 else n)"
+    )
+    scored = score(fill, stdin_cases(("", "big")), case_s=5)
+    assert scored == 0.0, scored.detail
+    own_tmpfs = dedent("""
+        import ctypes, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        if os.fork() == 0:  # a user and mount namespace of its own, then a tmpfs of its own
+            ok = libc.unshare(0x10000000 | 0x20000) == 0 and os.makedirs("m") is None
+            ok = ok and libc.mount(b"tmpfs", b"m", b"tmpfs", 0, None) == 0
+            os._exit(0 if ok else 1)
+        print("mounted" if os.wait()[1] == 0 else "refused")
+    """)
+    assert score(own_tmpfs, stdin_cases(("", "mounted"))) == 0.0
+    # memory spread over many small processes: the out-of-memory killer takes the sandbox's,
+    # never the (bigger) process that asked for the run, so the sample is still scored
+    caller = dedent(f"""
+        from qreward_queue.rewards import sandbox
+        from qreward_queue.rewards.code import code_reward
+        sandbox.pick_mechanism = lambda unsafe=False: {mechanism!r}
+        ballast = bytearray(150 * 2**20)
+        ballast[::4096] = b"x" * len(ballast[::4096])
+        program = {SPREAD!r}
+        tests = [{{"input": "", "output": "x"}}]
+        sample = {{"prompt": "", "response": program, "extra": {{"tests": tests}}}}
+        print("scored", code_reward(sample, case_s=3))
+    """)
+    done = subprocess.run([sys.executable, "-c", caller], capture_output=True, text=True)
+    assert done.returncode == 0 and "scored 0.0" in done.stdout, done
+    layout = cgroups.available()
+    if not isinstance(layout, str):  # every run's group is gone once the run is over
+        assert not [d for p in layout.parents for d in p.glob(f"qrq-{os.getpid()}-*")]
+
+
+SPREAD = dedent("""
+    import os, time
+    for _ in range(30):
+        if os.fork() == 0:
+            b = bytearray(40 * 2**20)
+            b[::4096] = b"x" * len(b[::4096])
+            time.sleep(2)
+            os._exit(0)
+    time.sleep(1.5)
+    print("all alive")
+""")
+
+
+class UnixListener:
+    def __init__(self, path: str):
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.bind(path)
+        self.sock.listen(4)
+        os.chmod(path, 0o777)
+
+    def close(self):
+        self.sock.close()
+        os.unlink(self.path)
+
+
+# 5. Nothing survives a run or passes between samples.
+def test_5_no_leftover_process_file_host_proc_socket_or_data_set(mechanism, tmp_path):
+    marker = f"qrq-leftover-{uuid.uuid4().hex[:8]}"
+    key = f"sk-canary-{uuid.uuid4().hex[:8]}"
+    witness = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", key])
+    listeners = [UnixListener(f"/dev/shm/{marker}.sock"), UnixListener(str(tmp_path / "s.sock"))]
+    data_set = tmp_path / "answers.json"
+    data_set.write_text(json.dumps({"answer": key}))
+    data_set.chmod(0o644)
+    os.chmod(tmp_path, 0o755)
+    try:
+        survivors = dedent(f"""
+            import os, subprocess, sys
+            sleeper = [sys.executable, "-c", "import time; time.sleep(60)", {marker!r}]
+            subprocess.Popen(sleeper, start_new_session=True)
+            if os.fork() == 0:
+                os.setsid()
+                if os.fork() == 0:
+                    os.execv(sys.executable, sleeper)
+                os._exit(0)
+            for d in ("/tmp", "/var/tmp", "/dev/shm", "."):
+                try:
+                    open(f"{{d}}/{marker}", "w").write("{key}")
+                except OSError:
+                    pass
+            print("planted")
+        """)
+        assert score(survivors, stdin_cases(("", "nothing"))) == 0.0
+        time.sleep(0.3)
+        assert not host_processes_with(marker)
+        snoop = (
+            "import glob, os, socket\nfound = []\n"
+            "for pattern in ('/proc/*/cmdline', '/proc/*/environ', "
+            f"'/tmp/{marker}', '/var/tmp/{marker}', '/dev/shm/{marker}', '{marker}', "
+            f"{str(data_set)!r}):\n"
+            "    for path in glob.glob(pattern):\n        try:\n"
+            f"            if {key!r} in open(path, errors='replace').read():\n"
+            "                found.append(path)\n        except OSError:\n            pass\n"
+            f"for path in ({listeners[0].path!r}, {listeners[1].path!r}):\n"
+            "    try:\n        s = socket.socket(socket.AF_UNIX)\n        s.connect(path)\n"
+            "        found.append(path)\n    except OSError:\n        pass\n"
+            "print('found' if found else 'clean', found)"
+        )
+        scored = score(snoop, stdin_cases(("", "found")))
+        assert scored == 0.0, scored.detail
+        # a later case cannot read an earlier or later case's input from the harness's memory
+        peek = dedent("""
+            import gc, sys
+            def has(o):
+                try:
+                    return "".join(["SECRET", "-CASE-1"]) in repr(o)[:100000]
+                except Exception:
+                    return False
+            seen = any(has(o) for o in gc.get_objects())
+            frame = sys._getframe().f_back
+            while frame is not None and not seen:
+                seen = any(has(v) for v in frame.f_locals.values())
+                frame = frame.f_back
+            print("found" if seen else "none")
+        """)
+        cases = [{"input": "x", "output": "found"}, {"input": "SECRET-CASE-1", "output": "x"}]
+        assert score(peek, cases) == 0.0
+        assert not (tmp_path / marker).exists()
+        assert not os.path.exists(f"/dev/shm/{marker}") and not os.path.exists(f"/var/tmp/{marker}")
+    finally:
+        witness.kill()
+        for listener in listeners:
+            listener.close()
+
+
+def test_5_a_function_backends_child_in_a_new_session_does_not_outlive_its_sample():
+    marker = f"qrq-fn-leftover-{uuid.uuid4().hex[:8]}"
+    client = make_backend(
+        Backend(
+            name="spawner",
+            kind="function",
+            function="tests.rewards_for_tests:spawn_and_return",
+            chunk_size=2,
+            timeout_s=2,
+            options={"marker": marker},
+            pool=Pool(type="prefork"),
+        )
+    )
+    scores = client.call([{"prompt": "", "response": "ok"}, {"prompt": "", "response": "hang"}])
+    assert scores.scores[0] == 1.0 and scores.scores[1].status == "timeout"
+    time.sleep(0.3)
+    assert not host_processes_with(marker)
+
+
+# 6. The unshare fallback keeps the same promises.
+def test_6_the_sandbox_sees_only_system_directories_read_only_and_reaches_nothing(mechanism):
+    view = (
+        "import os\nprint(sorted(os.listdir('/')))\n"
+        "print(os.path.exists('/proc/1'), os.path.exists('/run'), os.path.exists('/work'))\n"
+        "wrote = []\nfor path in ('/usr/qrq-x', '/bin/qrq-x', '/qrq-x', '/etc/qrq-x'):\n"
+        "    try:\n        open(path, 'w')\n        wrote.append(path)\n"
+        "    except OSError:\n        pass\n"
+        "import ctypes\nlibc = ctypes.CDLL(None)\n"
+        "print(wrote, [p for p in range(1, 400) if libc.ptrace(16, p, 0, 0) == 0])"  # ATTACH
+    )
+    cases = stdin_cases(("", "x"))
+    scored = score(view, cases)
+    assert scored == 0.0
+    run = sandbox.run_cases(view, [{"input": ""}])
+    lines = run.cases[0]["stdout"].splitlines()
+    top = set(json.loads(lines[0].replace("'", '"')))
+    system = {path.split("/")[1] for path in sandbox._system_paths()}
+    assert top <= system | {"tmp", "dev", "var"}, top
+    assert lines[1] == "False False False"
+    assert lines[2] == "[] []"  # nothing it could write outside /tmp, nothing it could ptrace
+    hidden = sandbox._hidden_paths()  # installed packages: a data set may ship in one
+    listing = f"import os\nprint([os.listdir(p) for p in {hidden!r}])"
+    run = sandbox.run_cases(listing, [{"input": ""}])
+    assert run.cases[0]["stdout"].strip() == str([[] for _ in hidden])
