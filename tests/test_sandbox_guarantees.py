@@ -65,11 +65,11 @@ def test_1_every_program_gets_a_working_interpreter_and_a_broken_sandbox_is_an_e
         score("print(1)", stdin_cases(("", "1")))
 
 
-def test_1_a_code_pool_refuses_to_start_without_a_working_sandbox(tmp_path):
+def test_1_a_code_pool_refuses_to_start_without_a_working_sandbox(tmp_path, redis_url):
     backend = tmp_path / "code.toml"
     code_reward_path = "qreward_queue.rewards.code:code_reward"
     backend.write_text(f'[backend]\nkind = "function"\nfunction = "{code_reward_path}"\n')
-    env = {**os.environ, "PATH": str(tmp_path), "QRQ_REDIS_URL": "redis://127.0.0.1:1/0"}
+    env = {**os.environ, "PATH": str(tmp_path), "QRQ_REDIS_URL": redis_url}
     done = subprocess.run(
         [sys.executable, "-m", "qreward_queue.cli", "worker", str(backend)],
         env=env, capture_output=True, text=True, timeout=60,
