@@ -20,11 +20,11 @@ import kombu.exceptions
 import redis
 from celery.states import READY_STATES
 
-from . import keys, metrics, redis_wait
+from . import keys, metrics, redis_conn, redis_wait
 from .app import PRIORITIES, REDIS_READ_TIMEOUT_S, QrqCelery
 from .cache import ScoreCache, content_key, reward_identity
 from .capacity import count_queued, queue_depth, route_shares
-from .config import Route, redact_url
+from .config import Route
 from .errors import DeadlineExceeded, RedisUnreachable, ScoringError
 from .liveness import NoWorkerWatch
 from .routing import Chunk, plan
@@ -77,7 +77,7 @@ class RewardBatch:
         self._no_worker = NoWorkerWatch(app)
         self._look: Future | None = None  # the poll's read of Redis still in flight
         self._look_since = time.time()  # and when it began
-        self._outage = redis_wait.Outage(redact_url(app.qrq_config.redis_url or ""))
+        self._outage = redis_wait.Outage(redis_conn.describe(app.qrq_config))
         self.resubmitted = 0
         self._started, self._finished = time.monotonic(), None
 
