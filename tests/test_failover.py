@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+import redis
 from sentinel_cluster import SERVICE, SentinelCluster
 from support import expected, judge_backend, start_workers, tasks_received, wait_for, write_config
 
@@ -129,3 +130,29 @@ def test_an_unknown_service_name_is_a_one_line_error(tmp_path, stack):
         f"the sentinels at 127.0.0.1:{cluster.sentinel_ports[0]} know no service named "
         f"'no-such-service' (they know: {SERVICE})"
     )
+
+
+def test_a_sentinel_channel_closed_after_kombu_dropped_its_client_still_restores_unacked(
+    tmp_path, stack
+):
+    # Given a kombu Sentinel channel holding one unacknowledged message, in the state a lost
+    # primary leaves it in when Celery's Connection.collect() is cut short (see kombu_fix)
+    from kombu import Connection, Queue
+
+    import qreward_queue.app  # noqa: F401  (installs kombu_fix, as every qrq process does)
+
+    cluster = SentinelCluster(tmp_path, sentinels=1).start()
+    stack.callback(cluster.stop)
+    with Connection(cluster.url, transport_options={"master_name": SERVICE}) as conn:
+        channel = conn.default_channel
+        queue = Queue("failover.kombu", routing_key="failover.kombu")(channel)
+        queue.declare()
+        conn.Producer(channel).publish({"n": 1}, routing_key="failover.kombu", serializer="json")
+        assert queue.get(no_ack=False).payload == {"n": 1}
+        channel._disconnect_pools()
+        conn.transport.client = None
+        # When the channel closes (kombu 5.7.0 alone: AttributeError ... 'alt')
+        channel.close()
+    # Then the unacked message is back on its queue, for the next worker
+    host, port = cluster.primary()
+    assert redis.Redis(host=host, port=port).llen("failover.kombu") == 1
