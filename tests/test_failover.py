@@ -14,7 +14,15 @@ import time
 import pytest
 import redis
 from sentinel_cluster import SERVICE, SentinelCluster
-from support import expected, judge_backend, start_workers, tasks_received, wait_for, write_config
+from support import (
+    close_half_closed_channel,
+    expected,
+    judge_backend,
+    start_workers,
+    tasks_received,
+    wait_for,
+    write_config,
+)
 
 import qreward_queue
 from qreward_queue.errors import RedisUnreachable
@@ -137,22 +145,10 @@ def test_a_sentinel_channel_closed_after_kombu_dropped_its_client_still_restores
 ):
     # Given a kombu Sentinel channel holding one unacknowledged message, in the state a lost
     # primary leaves it in when Celery's Connection.collect() is cut short (see kombu_fix)
-    from kombu import Connection, Queue
-
-    import qreward_queue.app  # noqa: F401  (installs kombu_fix, as every qrq process does)
-
     cluster = SentinelCluster(tmp_path, sentinels=1).start()
     stack.callback(cluster.stop)
-    with Connection(cluster.url, transport_options={"master_name": SERVICE}) as conn:
-        channel = conn.default_channel
-        queue = Queue("failover.kombu", routing_key="failover.kombu")(channel)
-        queue.declare()
-        conn.Producer(channel).publish({"n": 1}, routing_key="failover.kombu", serializer="json")
-        assert queue.get(no_ack=False).payload == {"n": 1}
-        channel._disconnect_pools()
-        conn.transport.client = None
-        # When the channel closes (kombu 5.7.0 alone: AttributeError ... 'alt')
-        channel.close()
+    # When the channel closes (kombu 5.7.0 alone: AttributeError ... 'alt')
+    close_half_closed_channel(cluster.url, "failover.kombu", master_name=SERVICE)
     # Then the unacked message is back on its queue, for the next worker
     host, port = cluster.primary()
     assert redis.Redis(host=host, port=port).llen("failover.kombu") == 1
