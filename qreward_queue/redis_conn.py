@@ -85,7 +85,10 @@ def _sentinel_kwargs(config) -> dict:
 
 
 def _sentinel(config, **connection) -> Sentinel:
-    password = _env(config.redis_password_env) or urlsplit(config.redis_url).password
+    first = urlsplit(config.redis_url.split(SEPARATOR)[0])  # where Celery reads them too
+    if first.username:
+        connection["username"] = first.username
+    password = _env(config.redis_password_env) or first.password
     if password:
         connection["password"] = password
     return Sentinel(

@@ -58,6 +58,10 @@ def test_qrq_redis_url_in_celerys_form_takes_the_service_name_from_config_or_env
     assert celery_settings(config)["broker_url"] == "sentinel://h1:26379/0;sentinel://h2/0"
     monkeypatch.setenv("QRQ_REDIS_SERVICE_NAME", "m2")
     assert load_config(None).redis_service_name == "m2"  # no file at all: env only
+    # a password written in the first sentinel's URL reaches the primary, as in Celery
+    monkeypatch.setenv("QRQ_REDIS_URL", "sentinel://qrq:pw@h1:26379/0;sentinel://h2/0")
+    master = redis_conn.connect(load_config(None)).connection_pool.connection_kwargs
+    assert (master["username"], master["password"], master["db"]) == ("qrq", "pw", 0)
 
 
 @pytest.mark.parametrize(("table", "message"), [
