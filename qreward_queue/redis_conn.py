@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 from urllib.parse import quote, urlsplit
 
 import redis
 from redis.sentinel import Sentinel
+
+if TYPE_CHECKING:
+    from .config import Config
 
 SCHEME = "sentinel"
 SEPARATOR = ";"  # between the sentinels of one URL, as kombu and Celery split it
@@ -76,7 +80,7 @@ def _with_password(url: str, password: str | None) -> str:
     return SEPARATOR.join(chunks)
 
 
-def _sentinel_kwargs(config) -> dict:
+def _sentinel_kwargs(config: Config) -> dict:
     kwargs = {"socket_timeout": SENTINEL_TIMEOUT_S, "socket_connect_timeout": SENTINEL_TIMEOUT_S}
     password = _env(config.sentinel_password_env)
     if password:
@@ -84,7 +88,7 @@ def _sentinel_kwargs(config) -> dict:
     return kwargs
 
 
-def _sentinel(config, **connection) -> Sentinel:
+def _sentinel(config: Config, **connection) -> Sentinel:
     first = urlsplit(config.redis_url.split(SEPARATOR)[0])  # where Celery reads them too
     if first.username:
         connection["username"] = first.username
@@ -99,7 +103,7 @@ def _sentinel(config, **connection) -> Sentinel:
     )
 
 
-def connect(config, **connection) -> redis.Redis:
+def connect(config: Config, **connection) -> redis.Redis:
     """A client of the current primary (`connection`: redis-py options such as timeouts)."""
     if not is_sentinel(config.redis_url):
         password = _env(config.redis_password_env)
@@ -109,7 +113,7 @@ def connect(config, **connection) -> redis.Redis:
     return _sentinel(config, **connection).master_for(config.redis_service_name)
 
 
-def celery_settings(config, transport: dict, result_transport: dict) -> dict:
+def celery_settings(config: Config, transport: dict, result_transport: dict) -> dict:
     """Broker and result-backend settings for `config`, Sentinel options included."""
     url = _with_password(config.redis_url, _env(config.redis_password_env))
     if not is_sentinel(url):
@@ -132,7 +136,7 @@ def celery_settings(config, transport: dict, result_transport: dict) -> dict:
     }
 
 
-def describe(config) -> str:
+def describe(config: Config) -> str:
     """Where Redis is, without passwords (for messages and logs)."""
     if not is_sentinel(config.redis_url):
         from .config import redact_url
@@ -142,7 +146,7 @@ def describe(config) -> str:
     return f"service {config.redis_service_name!r} via sentinels {nodes}"
 
 
-def sentinel_problem(config) -> str | None:
+def sentinel_problem(config: Config) -> str | None:
     """Why no primary can be found through the sentinels, in one line (None: one is found)."""
     sentinel = _sentinel(config, socket_timeout=SENTINEL_TIMEOUT_S)
     errors, known = [], set()

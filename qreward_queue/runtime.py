@@ -62,6 +62,10 @@ def describe_mode(config: Config) -> str:
 
 def redis_problem(config: Config, exc: Exception) -> str:
     """One line saying what went wrong with Redis and what to check."""
+    if redis_conn.is_sentinel(config.redis_url):
+        problem = redis_conn.sentinel_problem(config)
+        if problem:
+            return problem
     where, why = redis_conn.describe(config), str(exc).strip() or type(exc).__name__
     if "DB index is out of range" in why:
         return (
@@ -83,10 +87,6 @@ def check_redis(config: Config) -> None:
     """Fail fast, in one line, when distributed mode cannot reach (or select) its database."""
     if config.embedded:
         return
-    if redis_conn.is_sentinel(config.redis_url):
-        problem = redis_conn.sentinel_problem(config)
-        if problem:
-            raise RedisUnreachable(problem)
     client = redis_conn.connect(config, socket_connect_timeout=3, socket_timeout=5)
     try:
         client.ping()

@@ -111,8 +111,9 @@ def test_a_sentinel_failover_mid_batch_loses_no_reward(tmp_path, stack):
         f"{recovered - killed:.1f} s; duplicates {duplicates} (judge accepted "
         f"{stats['accepted']} for {N}); 429s {stats['rate_limited']}; samples/s before "
         f"{done_at_kill / (killed - started):.1f}, after "
-        f"{(N - done_at_recovery) / max(finished - recovered, 1e-9):.1f} (limit {rate:.0f}/s); "
-        f"first 5 s after: {req1 - req0} requests; resubmitted {batch.resubmitted}"
+        f"{(N - done_at_recovery) / (finished - recovered):.1f}; judge requests/s after "
+        f"{(timeline.at(finished)[0] - req0) / (finished - recovered):.1f} (limit {rate:.0f}/s, "
+        f"{req1 - req0} in the first {window_s:.0f} s); resubmitted {batch.resubmitted}"
     )
     # and every worker is alive and still consuming: a new batch reaches each of them
     logs = "\n".join(w.log.read_text()[-3000:] for w in workers)
