@@ -1,6 +1,7 @@
 """`qrq plan` against measured wall time, in one run: predicted, measured, error %.
 
-    python benchmarks/plan_check.py [--scenario S1|TPM|S4|all] [--n N] [--redis-url URL] [--json]
+    python benchmarks/plan_check.py [--scenario S1|TPM|S4|demo|all] [--n N] [--redis-url URL]
+                                    [--json]
 
 S1   flow_control's S1: one judge, 3000 rpm, 64 in flight, 200 ms mean latency (cv 0.5);
      2 `qrq worker` x 32 threads; binding limit: rpm.
@@ -8,6 +9,10 @@ TPM  one judge whose tokens/min bind: 150,000 tpm (and 6000 rpm), the same laten
      file says the same; 1 worker x 32 threads; binding limit: tpm.
 S4   routes' S4: route of judges at 1200 + 2400 + 3600 rpm, one worker each sized
      2 x (rpm/60) x latency; binding limit: rpm of each.
+demo `qrq demo` itself (embedded, the example configuration shipped with qrq: two judges of
+     6000 rpm at 25 ms): its qrq row against `qrq plan -n 1024 --latency-ms 25` (a plan once
+     promised 247 samples/s there, above the judges' summed 200/s). --n and --redis-url do not
+     apply; it runs the demo's naive and asyncio clients too (about 40 s).
 The plan reads the very backend files the workers run, the batch's mean prompt/response
 tokens, the judge's configured mean latency and --cores (default: this machine's). Also
 printed: `cpu_share`, the cores the workers really got (their CPU time over the wall time),
@@ -21,6 +26,7 @@ import argparse
 import json
 import math
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -32,7 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REDIS_URL, flush_redis, judge_config, start_qrq_workers, write_config
 
 import qreward_queue
-from qreward_queue.demo import grpo_batch
+from qreward_queue.config import PACKAGED_CONFIG
+from qreward_queue.demo import DEMO_LATENCY_MS, grpo_batch
 from qreward_queue.mock_judge import MockJudgeSettings, spawn
 from qreward_queue.plan import Workload, plan_route
 
@@ -54,7 +61,30 @@ def token_means(samples: list[dict]) -> tuple[float, float]:
     return prompt / 4, response / 4
 
 
+def run_demo_case(cores: int) -> dict:
+    """`qrq demo` in a fresh directory, its qrq row against the plan of the same step."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QRQ_")}
+    with tempfile.TemporaryDirectory(prefix="qrq-plan-demo-") as tmp:
+        out = subprocess.run([sys.executable, "-m", "qreward_queue.cli", "demo"], cwd=tmp,
+                             env=env, capture_output=True, text=True, timeout=600, check=True)
+    (row,) = [line.split() for line in out.stdout.splitlines() if line.startswith("qrq ")]
+    wall, not_ok = float(row[1]), int(row[5])
+    samples = grpo_batch()
+    config = qreward_queue.load_config(PACKAGED_CONFIG)
+    work = Workload(len(samples), *token_means(samples), DEMO_LATENCY_MS / 1000, cores=cores)
+    plan = plan_route(config, "demo", work)
+    return {
+        "scenario": "demo", "n": len(samples), "measured_s": wall,
+        "predicted_s": round(plan.wall_s, 2), "error_pct": _error_pct(plan.wall_s, wall),
+        "binding": {p.backend: p.binding for p in plan.backends}, "cores": cores,
+        "cpu_share": None, "not_ok": not_ok, "worker_cpu_ms_per_sample": None,  # in-process
+        "predicted_per_s": round(len(samples) / plan.wall_s, 1),
+    }
+
+
 def run(name: str, n: int, redis_url: str, cores: int) -> dict:
+    if name == "demo":
+        return run_demo_case(cores)
     judges, workers, default_n = SCENARIOS[name]
     n = n or default_n
     samples = grpo_batch(n_prompts=math.ceil(n / 8))[:n]
@@ -98,19 +128,23 @@ def run(name: str, n: int, redis_url: str, cores: int) -> dict:
     }
 
 
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def _error_pct(predicted: float, measured: float) -> float:
     return round(100 * (predicted - measured) / measured, 1)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--scenario", default="all", choices=[*SCENARIOS, "all"])
+    parser.add_argument("--scenario", default="all", choices=[*SCENARIOS, "demo", "all"])
     parser.add_argument("--n", type=int, default=0, help="samples (default: per scenario)")
     parser.add_argument("--redis-url", default=REDIS_URL)
     parser.add_argument("--cores", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
+    names = [*SCENARIOS, "demo"] if args.scenario == "all" else [args.scenario]
     print(f"{'scenario':<9}{'n':>6}{'predicted_s':>12}{'measured_s':>11}{'error':>8}"
           f"{'cpu_share':>10}{'cpu_ms':>8}  binding")
     results = []
@@ -119,8 +153,8 @@ def main() -> None:
         results.append(r)
         binding = ", ".join(f"{b}: {k}" for b, k in r["binding"].items())
         print(f"{name:<9}{r['n']:>6}{r['predicted_s']:>12.2f}{r['measured_s']:>11.2f}"
-              f"{r['error_pct']:>7.1f}%{r['cpu_share']:>10.2f}"
-              f"{r['worker_cpu_ms_per_sample']:>8.2f}  {binding}", flush=True)
+              f"{r['error_pct']:>7.1f}%{_num(r['cpu_share']):>10}"
+              f"{_num(r['worker_cpu_ms_per_sample']):>8}  {binding}", flush=True)
         if args.json:
             print(json.dumps(r), flush=True)
     for r in results:

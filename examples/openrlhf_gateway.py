@@ -16,16 +16,17 @@ import asyncio
 import json
 import socket
 
-import aiohttp
-from _mock_stack import mock_stack
-from aiohttp import web
+from _mock_stack import mock_stack, needs
 
-from qreward_queue.integrations.gateway import Gateway
-
+aiohttp = needs("aiohttp")  # `pip install 'qreward-queue[gateway]'`, as `qrq gateway` needs
 PROMPT = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
 
 
 async def main() -> list[dict]:
+    from aiohttp import web
+
+    from qreward_queue.integrations.gateway import Gateway
+
     runner = web.AppRunner(Gateway("judge").app())
     await runner.setup()
     with socket.socket() as sock:

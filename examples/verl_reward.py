@@ -20,10 +20,11 @@ from __future__ import annotations
 import asyncio
 import json
 
-import numpy as np
-from _mock_stack import mock_stack
+from _mock_stack import mock_stack, needs
 
 from qreward_queue.integrations.verl import compute_score
+
+np = needs("numpy")  # the trainer hands numpy values over; `pip install 'qreward-queue[examples]'`
 
 
 async def agent_loop() -> list[dict]:

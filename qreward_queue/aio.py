@@ -4,7 +4,9 @@
 that capped concurrency at the executor's size. Here a single daemon thread polls every
 outstanding batch with its non-blocking `done()` and resolves a concurrent.futures.Future per
 waiter; `asyncio.wrap_future` hands that to any event loop (call_soon_threadsafe underneath),
-and threads can block on the same future. Cancelling one waiter only drops that waiter.
+and threads can block on the same future. Cancelling one waiter only drops that waiter; once
+every waiter of a batch is cancelled, nobody waits for it and the batch is cancelled (a waiter
+that merely timed out is forgotten first, so the batch goes on for whoever awaits it next).
 """
 
 from __future__ import annotations
@@ -57,12 +59,22 @@ class _Poller:
                 self._check(key, batch, futures)
             time.sleep(max(0.0, POLL_INTERVAL_S - (time.monotonic() - started)))
 
+    def forget(self, batch: RewardBatch, future: Future) -> None:
+        """Stop resolving `future` without counting it as a cancelled waiter."""
+        with self._lock:
+            futures = self._watched.get(id(batch), (batch, []))[1]
+            if future in futures:
+                futures.remove(future)
+
     def _check(self, key: int, batch: RewardBatch, futures: list[Future]) -> None:
         with self._lock:
             live = [f for f in futures if not f.done()]
-            if not live:  # every waiter was cancelled: stop polling this batch
+            if not live:  # every waiter was cancelled (or forgotten): stop polling this batch
                 self._watched.pop(key, None)
-                return
+        if not live:
+            if futures:  # nobody waits for the batch any more
+                batch.cancel()
+            return
         try:
             if not (batch.done() or time.time() >= batch.deadline):
                 return
@@ -105,12 +117,19 @@ def watch(batch: RewardBatch) -> Future:
 
 async def outcomes(batch: RewardBatch, timeout: float | None = None) -> list[Outcome]:
     """Await `batch`'s outcomes without holding a thread; TimeoutError after `timeout` s."""
-    future = asyncio.wrap_future(watch(batch))
+    watched = watch(batch)
+    future = asyncio.wrap_future(watched)
     if timeout is None:
         return await future
     try:
-        return await asyncio.wait_for(future, timeout)
-    except asyncio.TimeoutError:
-        raise TimeoutError(
-            f"batch unfinished after {timeout} s (the batch deadline is later; await it again)"
-        ) from None
+        done, _ = await asyncio.wait({future}, timeout=timeout)
+    except asyncio.CancelledError:  # the awaiter was cancelled: so is its waiter
+        future.cancel()
+        raise
+    if done:
+        return future.result()
+    _poller.forget(batch, watched)
+    future.cancel()
+    raise TimeoutError(
+        f"batch unfinished after {timeout} s (the batch deadline is later; await it again)"
+    )

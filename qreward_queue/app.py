@@ -22,7 +22,10 @@ from kombu import Queue
 from . import keys, kombu_fix, liveness, redis_conn, tasks
 from .breaker import CircuitBreaker
 from .config import Backend, Config
+from .lease import BatchWatch
 from .limiter import Limiter
+from .liveness import HEARTBEAT_S, HELD_TTL_S
+from .spend import Ledger
 
 kombu_fix.install()  # a Redis restart must not kill the worker (see kombu_fix)
 
@@ -39,6 +42,7 @@ class QrqCelery(Celery):
         self.qrq_config = config
         self._limiters: dict[str, Limiter | None] = {}
         self._breakers: dict[str, CircuitBreaker] = {}
+        self._ledgers: dict[str, Ledger] = {}
         self.conf.update(celery_settings(config))
         self.conf.task_queues = [
             Queue(b.queue, routing_key=b.queue) for b in config.backends.values()
@@ -59,8 +63,19 @@ class QrqCelery(Celery):
             health_check_interval=30,
         )
 
+    @cached_property
+    def batch_watch(self) -> BatchWatch:
+        """The worker's view of batch leases (cancelled or abandoned batches make no call)."""
+        return BatchWatch(self.store)
+
     def backend_config(self, name: str) -> Backend:
         return self.qrq_config.backend(name)
+
+    def ledger(self, name: str) -> Ledger:
+        """Backend `name`'s spend and budget, as this process's calls add to them."""
+        if name not in self._ledgers:
+            self._ledgers[name] = Ledger(self.store, self.backend_config(name))
+        return self._ledgers[name]
 
     def limiter(self, name: str) -> Limiter | None:
         """The global limiter of backend `name` (None when its file sets no limits)."""
@@ -153,9 +168,7 @@ def celery_settings(config: Config) -> dict:
     return settings
 
 
-HEARTBEAT_S = 5
 HEARTBEAT_TTL_S = 15
-HELD_TTL_S = 6 * 3600
 
 
 class _NoRetryState:

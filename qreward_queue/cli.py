@@ -27,15 +27,18 @@ from .config import (
     load_config,
 )
 from .errors import ConfigError, QrqError
+from .extras import missing_extra
 from .mock_judge import mock_judge_cli
 from .runtime import check_redis, describe_mode, redis_problem
 
 EXIT_SOME_NOT_SCORED, EXIT_USAGE, EXIT_NONE_SCORED = 1, 2, 3
+EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
 _CONFIG_META = "qrq.config"
 
 
 class _Group(click.Group):
-    """Turns qrq's own errors, and Redis going away mid-command, into one `qrq: error:` line."""
+    """Turns qrq's own errors, a missing optional dependency, and Redis going away mid-command
+    into one `qrq: error:` line."""
 
     def invoke(self, ctx: click.Context):
         try:
@@ -48,6 +51,12 @@ class _Group(click.Group):
             if config is None or config.embedded:
                 raise
             click.echo(f"qrq: error: {redis_problem(config, exc)}", err=True)
+            ctx.exit(EXIT_USAGE)
+        except ImportError as exc:
+            line = missing_extra(exc, f"qrq {ctx.invoked_subcommand}")
+            if line is None:
+                raise
+            click.echo(f"qrq: error: {line}", err=True)
             ctx.exit(EXIT_USAGE)
 
 
@@ -119,15 +128,19 @@ def demo(config_path: str | None, route: str | None, prompts: int) -> None:
 )
 @click.option("--route", help="Route to score on (default: the config's default route).")
 @click.option(
-    "--priority", type=click.Choice(["val", "train", "bulk"]), default="bulk", show_default=True
+    "--priority", type=click.Choice(["val", "train", "bulk"]), default="bulk", show_default=True,
+    help="val is served before train, train before bulk.",
 )
 @click.option("--deadline-s", type=float, help="Return by then; the rest comes back as timeout.")
 @config_option
 def score(input_file, output, route, priority, deadline_s, config_path) -> None:
-    """Score the samples in IN.jsonl (one JSON object per line), in order.
+    """Score the samples in IN.jsonl, in order: one JSON object per line, with "prompt" and
+    "response" (strings) and optionally "reference", "data_source" (strings), "extra" (an
+    object) and "id" (carried back on the outcome).
 
     Exit status: 0 every sample scored (ok or cached), 1 some were not (error, timeout), 3 none
-    was, 2 nothing ran (usage, configuration, Redis unreachable).
+    was, 2 nothing ran (usage, configuration, Redis unreachable), 130 interrupted (Ctrl-C: what
+    was scored is written, the rest as cancelled, and no further judge call is made).
     """
     from tqdm import tqdm
 
@@ -138,12 +151,17 @@ def score(input_file, output, route, priority, deadline_s, config_path) -> None:
     click.echo(describe_mode(config), err=True)
     app = configure(config)
     samples, lines, unreadable = read_jsonl(input_file)
+    interrupted = False
     try:
         batch = submit_batch(samples, route, priority, deadline_s, on_invalid="outcome", app=app)
         with tqdm(total=len(batch), unit="sample", file=sys.stderr, disable=None) as bar:
-            while not batch.done() and time.time() < batch.deadline:
-                bar.update(batch.completed - bar.n)
-                time.sleep(0.2)
+            try:
+                while not batch.done() and time.time() < batch.deadline:
+                    bar.update(batch.completed - bar.n)
+                    time.sleep(0.2)
+            except KeyboardInterrupt:
+                batch.cancel()
+                interrupted = True
             outcomes = batch.outcomes()
             bar.update(len(batch) - bar.n)
     finally:
@@ -157,7 +175,7 @@ def score(input_file, output, route, priority, deadline_s, config_path) -> None:
     output.flush()
     summary, code = summarize(outcomes)
     click.echo(summary, err=True)
-    sys.exit(code)
+    sys.exit(EXIT_INTERRUPTED if interrupted else code)
 
 
 def summarize(outcomes: list) -> tuple[str, int]:
@@ -201,10 +219,10 @@ def read_jsonl(lines_in) -> tuple[list, list[int], dict[int, str]]:
 @config_option
 @click.option("-c", "--concurrency", type=int, help="Override the pool's concurrency.")
 @click.option("-n", "--hostname", help="Worker node name (default: <backend>@%h).")
-@click.option("--loglevel", default="INFO", show_default=True)
+@click.option("--loglevel", default="INFO", show_default=True, help="Celery's log level.")
 @click.option("--metrics-port", type=int, envvar="QRQ_METRICS_PORT",
               help="Serve Prometheus metrics of this worker (all pool processes) on this port.")
-@click.option("--events", is_flag=True,
+@click.option("-E", "--events", is_flag=True,
               help="Send task events from the start (Flower turns them on by itself).")
 def worker(
     backend_file: str,
@@ -222,12 +240,16 @@ def worker(
     from .redact import install_log_filter
     from .tasks import TASK_NAME
 
-    config = load_config(config_path)
-    backend = load_backend(backend_file)
+    backend = load_backend(backend_file)  # its own file: every problem in it is an error
+    broken: dict[str, str] = {}
+    config = load_config(config_path, broken)
+    for problem in broken.values():
+        click.echo(f"qrq: warning: {problem} (left out of its routes here)", err=True)
     if config.embedded:
         raise ConfigError("qrq worker needs Redis: set QRQ_REDIS_URL or [redis] url in qrq.toml")
     if problem := backend.missing_api_key():
         raise ConfigError(f"{problem}: export it before starting the worker")
+    check_redis(config)  # at start, one line; once running, an outage is ridden out
     known = config.backends.get(backend.name)
     if known is not None and Path(known.source).resolve() != Path(backend_file).resolve():
         raise ConfigError(
@@ -272,7 +294,8 @@ def worker(
 @cli.command()
 @config_option
 @click.option("--watch", is_flag=True, help="Redraw every --interval seconds until Ctrl-C.")
-@click.option("--interval", type=float, default=2.0, show_default=True)
+@click.option("--interval", type=float, default=2.0, show_default=True,
+              help="Seconds between redraws of --watch.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document instead of the table.")
 def status(config_path: str | None, watch: bool, interval: float, as_json: bool) -> None:
     """Each backend's queue by priority, rate limit, 429s, leases, adaptive limit, breaker, ETA."""
@@ -291,8 +314,10 @@ def status(config_path: str | None, watch: bool, interval: float, as_json: bool)
 @config_option
 @click.option("--route", help="Route to plan (default: the config's default route).")
 @click.option("-n", "--samples", "n", type=int, required=True, help="Samples in the step.")
-@click.option("--prompt-tokens", type=float, default=256, show_default=True)
-@click.option("--response-tokens", type=float, default=512, show_default=True)
+@click.option("--prompt-tokens", type=float, default=256, show_default=True,
+              help="Mean tokens of a sample's prompt (and reference).")
+@click.option("--response-tokens", type=float, default=512, show_default=True,
+              help="Mean tokens of a sample's response.")
 @click.option("--latency-ms", type=float, default=1000, show_default=True,
               help="Mean duration of one backend call.")
 @click.option("--metrics-url", "metrics_urls", multiple=True, metavar="URL",
@@ -305,7 +330,7 @@ def status(config_path: str | None, watch: bool, interval: float, as_json: bool)
               help="Worker processes of a backend (default 1 each); repeatable.")
 @click.option("--cores", type=int, help="CPU cores of the worker machines (default: this one's).")
 @click.option("--target-s", type=float, help="Say what to change to finish within this time.")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="One JSON document instead of the table.")
 def plan(config_path, route, n, prompt_tokens, response_tokens, latency_ms, metrics_urls, cpu_ms,
          call_cpu_ms, workers, cores, target_s, as_json) -> None:
     """Predict the reward step's wall time, the binding limit of each backend, what to change."""
@@ -332,8 +357,10 @@ def plan(config_path, route, n, prompt_tokens, response_tokens, latency_ms, metr
 
 @cli.command()
 @config_option
-@click.option("--port", type=int, default=9808, show_default=True)
-@click.option("--host", default="0.0.0.0", show_default=True)
+@click.option("--port", type=int, default=9808, show_default=True,
+              help="Port of the /metrics endpoint Prometheus scrapes.")
+@click.option("--host", default="0.0.0.0", show_default=True,
+              help="Interface to bind (127.0.0.1 when Prometheus runs on this machine).")
 def exporter(config_path: str | None, port: int, host: str) -> None:
     """Serve the shared Redis state (queues by priority, leases, limits, breaker) to Prometheus."""
     from .app import QrqCelery
@@ -367,7 +394,7 @@ def dead_letters(config_path: str | None, limit: int) -> None:
 @config_option
 @click.option("--host", default="0.0.0.0", show_default=True,
               help="Interface to bind (trainer nodes must reach it; 127.0.0.1 for one machine).")
-@click.option("--port", default=8000, show_default=True)
+@click.option("--port", default=8000, show_default=True, help="Port to listen on.")
 @click.option("--route", help="Route to score on (default: the config's default route).")
 @click.option("--max-items", default=64, show_default=True, help="Samples per micro-batch.")
 @click.option("--max-wait-ms", default=20.0, show_default=True, help="Longest wait to fill one.")

@@ -4,6 +4,8 @@ validate -> dedup -> cache lookup -> plan chunks over the route (weight x free c
 -> group(score_chunk...) on per-backend priority queues
 -> RewardBatch: poll results, put each outcome back at its input index(es), cache new scores,
    resubmit work that will never come back, and honour the deadline
+   (while outstanding it holds a lease in Redis; cancel() or an interrupted wait ends it, and
+   workers then make no new call for the batch)
 """
 
 from __future__ import annotations
@@ -20,12 +22,12 @@ import kombu.exceptions
 import redis
 from celery.states import READY_STATES
 
-from . import keys, metrics, redis_conn, redis_wait
-from .app import PRIORITIES, REDIS_READ_TIMEOUT_S, QrqCelery
+from . import keys, lease, metrics, records, redis_conn, redis_wait, spend
+from .app import HEARTBEAT_S, PRIORITIES, REDIS_READ_TIMEOUT_S, QrqCelery
 from .cache import ScoreCache, content_key, reward_identity
 from .capacity import count_queued, queue_depth, route_shares
 from .config import Route
-from .errors import DeadlineExceeded, RedisUnreachable, ScoringError
+from .errors import Cancelled, DeadlineExceeded, RedisUnreachable, ScoringError
 from .liveness import NoWorkerWatch
 from .routing import Chunk, plan
 from .runtime import get_app, redis_problem
@@ -36,6 +38,9 @@ Priority = Literal["val", "train", "bulk"]
 POLL_INTERVAL_S = 0.02
 LIVENESS_CHECK_S = 2.0
 QUICK_POLL_S = 0.05  # done()/completed wait no longer for Redis; the read goes on meanwhile
+# After Redis was away or lost its data, no task is judged lost until every worker's heartbeat
+# has had time to say again what it holds (a task still running is not bought twice).
+RECOVERY_GRACE_S = HEARTBEAT_S + LIVENESS_CHECK_S + 1.0
 
 
 class RewardBatch:
@@ -45,6 +50,11 @@ class RewardBatch:
     then come back as `timeout` with the fallback score); `await batch` does the same without
     blocking the event loop. Results that will never come (Redis lost its data, the worker
     running a task died) are noticed and the work is sent again before the deadline.
+
+    `cancel()` stops what is left (its samples come back `cancelled`); it also happens by
+    itself when a wait is interrupted (Ctrl-C, an exception), when a `with` block around the
+    batch raises, and when every awaiter of the batch is cancelled. A client that dies stops
+    renewing the batch's lease, and workers stop calling for it within `lease_s`.
 
     Example:
         >>> batch = submit_batch([{"prompt": "2+2?", "response": "4"}], route="math")
@@ -66,6 +76,7 @@ class RewardBatch:
         self.app, self.route, self.samples = app, route, samples
         self.priority, self.deadline, self.cache = priority, deadline, cache
         self._copies = copies
+        self.batch_id = uuid.uuid4().hex
         self._outcomes: list[Outcome | None] = [None] * len(samples)
         for i, outcome in enumerate(outcomes):
             if outcome is not None:
@@ -74,6 +85,7 @@ class RewardBatch:
         self._sentinel: str | None = None
         self._next_liveness_check = time.monotonic() + LIVENESS_CHECK_S
         self._unheld: set[str] = set()
+        self._quiet_until = 0.0  # no task is judged lost before (see RECOVERY_GRACE_S)
         self._no_worker = NoWorkerWatch(app)
         self._look: Future | None = None  # the poll's read of Redis still in flight
         self._look_since = time.time()  # and when it began
@@ -98,14 +110,20 @@ class RewardBatch:
 
     def summary(self) -> dict[str, Any]:
         """What a trainer logs per step once every outcome is in (`get()` returned):
-        `samples.summarize` of the outcomes, plus wall time from submit and the tasks
-        resubmitted after a lost worker."""
+        `samples.summarize` of the outcomes, plus wall time from submit, the tasks
+        resubmitted after a lost worker, and `spend`: per backend the calls made for this
+        batch, their tokens in and out (`estimated_calls`: replies without usage, counted at
+        their estimate) and, with a price in the backend file, their cost."""
         end = self._finished or time.monotonic()
+        spent: dict[str, dict[str, Any]] = {}
+        with contextlib.suppress(redis.RedisError, OSError):  # Redis away: no spend to show
+            spent = self._within(None, lambda: spend.batch_spend(self.app.store, self.batch_id))
         return {
             **summarize([o for o in self._outcomes if o is not None]),
             "samples": len(self._outcomes),
             "wall_s": round(end - self._started, 3),
             "resubmitted_tasks": self.resubmitted,
+            "spend": spent,
         }
 
     def partial(self) -> list[Outcome | None]:
@@ -113,23 +131,72 @@ class RewardBatch:
         return list(self._outcomes)
 
     def outcomes(self, timeout: float | None = None) -> list[Outcome]:
-        """Full outcome records in input order; see `get` for the waiting rules."""
+        """Full outcome records in input order; see `get` for the waiting rules. A wait that
+        is interrupted (KeyboardInterrupt, any exception) cancels the batch first."""
         stop = self.deadline if timeout is None else min(self.deadline, time.time() + timeout)
+        try:
+            finished = self._wait(stop)
+        except BaseException:
+            self.cancel()
+            raise
+        if not finished:
+            raise TimeoutError(
+                f"{len(self._pending)} task(s) unfinished after {timeout} s "
+                f"(the batch deadline is later; call get() again)"
+            )
+        return list(self._outcomes)  # type: ignore[arg-type]
+
+    def _wait(self, stop: float) -> bool:
         while True:
             self._poll(until=stop)
             if not self._pending:
                 self._finished = self._finished or time.monotonic()
-                break
+                return True
             if time.time() >= self.deadline:
                 self._expire()
-                break
+                return True
             if time.time() >= stop:
-                raise TimeoutError(
-                    f"{len(self._pending)} task(s) unfinished after {timeout} s "
-                    f"(the batch deadline is later; call get() again)"
-                )
+                return False
             time.sleep(POLL_INTERVAL_S)
-        return list(self._outcomes)  # type: ignore[arg-type]
+
+    def cancel(self) -> int:
+        """Give up on what is not scored yet; returns how many samples that was.
+
+        Workers make no new call for the batch from the moment they see it (within about a
+        second) and drop its queued chunks. Outcomes already in, including samples finished
+        inside chunks still running, are kept; the rest come back `cancelled`.
+        """
+        if not self._pending:
+            return 0
+        store, pending = self.app.store, [i for c in self._pending.values() for i in c.indices]
+        recorded: dict[int, dict] = {}
+
+        def stop_and_read() -> dict[int, dict]:
+            lease.end(store, self.batch_id, lease.CANCELLED, self._keep_s())
+            self._collect(self._read_metas(dict(self._pending)))
+            return records.read(store, self.batch_id, pending)
+
+        with contextlib.suppress(redis.RedisError, OSError):  # Redis away: cancel all the same
+            recorded = self._within(None, stop_and_read)
+        why = Cancelled("cancelled by the caller before it was scored")
+        cancelled = 0
+        for chunk in self._pending.values():
+            for i in chunk.indices:
+                if i in recorded:
+                    self._place(i, Outcome.from_dict(recorded[i]))
+                else:
+                    self._place(i, Outcome.failed(why))
+                    cancelled += 1
+        self._pending.clear()
+        self._finished = time.monotonic()
+        return cancelled
+
+    def __enter__(self) -> RewardBatch:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        """Leaving a `with` block, by an exception or not, cancels what is still unscored."""
+        self.cancel()
 
     def get(self, timeout: float | None = None) -> list[float]:
         """Scores in input order; raises TimeoutError if `timeout` ends before the deadline."""
@@ -160,6 +227,9 @@ class RewardBatch:
         route = list(self.route.backends)
         messages = {uuid.uuid4().hex: chunk for chunk in chunks}
         self._pending.update(messages)  # unsent, they are found lost and sent again
+        if not config.embedded and not self._sentinel:  # the first send: the lease begins
+            self._sentinel = keys.batch_sentinel(self.batch_id)
+            lease.hold(self, self.app.store, self.batch_id, config.lease_s)
 
         def publish() -> None:
             expires = max(1.0, self.deadline - time.time())
@@ -170,7 +240,8 @@ class RewardBatch:
                     self.app.send_task(
                         TASK_NAME,
                         kwargs={"backend": chunk.backend, "samples": samples, "route": route,
-                                "deadline": self.deadline},
+                                "deadline": self.deadline, "batch": self.batch_id,
+                                "indices": list(chunk.indices)},
                         task_id=task_id,
                         producer=producer,
                         queue=config.backend(chunk.backend).queue,
@@ -181,12 +252,22 @@ class RewardBatch:
             if not config.embedded:  # the planner's view of each backend's backlog
                 for queue, n in _sizes(chunks, config).items():
                     count_queued(self.app.store, queue, n)
-                # Redis losing its data (a restart without persistence) takes this key with it.
-                self._sentinel = self._sentinel or keys.batch_sentinel(uuid.uuid4().hex)
-                ttl_ms = int((self.deadline - time.time() + 60) * 1000)
-                self.app.store.set(self._sentinel, 1, px=max(ttl_ms, 1000))
+            if self._sentinel:
+                self._set_sentinel()
 
         self._within(self.deadline, publish)
+
+    def _set_sentinel(self) -> None:
+        """Redis losing its data (a restart without persistence) takes this key with it; the
+        lease is set first, so that no worker sees the sentinel without a live lease."""
+        ttl_ms = lease.key_ttl_ms(self.app.qrq_config.lease_s)
+        with self.app.store.pipeline(transaction=False) as pipe:
+            pipe.set(keys.lease(self.batch_id), lease.LIVE, px=ttl_ms)
+            pipe.set(self._sentinel, 1, px=int(self._keep_s() * 1000))
+            pipe.execute()
+
+    def _keep_s(self) -> float:
+        return max(1.0, self.deadline - time.time() + 60)
 
     # -- collecting ----------------------------------------------------------------------------
 
@@ -212,8 +293,20 @@ class RewardBatch:
             if wait_s >= 1.0 or not isinstance(exc, redis_wait.RedisWaitTimeout):
                 self._outage.noticed(exc, self.deadline, self._look_since)
                 self._no_worker.postpone()
+                self._quiet_until = time.monotonic() + RECOVERY_GRACE_S
             return  # Redis is restarting or frozen: try again at the next poll, until the deadline
         self._outage.over()
+        self._collect(metas, until)
+        if not self._pending:
+            self._done(until)
+        if lost and time.time() < self.deadline:
+            for task_id in lost:
+                self._pending.pop(task_id, None)
+            self.resubmitted += len(lost)
+            with contextlib.suppress(redis.RedisError, kombu.exceptions.OperationalError, OSError):
+                self.send(list(lost.values()))
+
+    def _collect(self, metas: dict[str, dict], until: float | None = None) -> None:
         collected = [t for t, meta in metas.items()
                      if meta["status"] in READY_STATES and t in self._pending]
         for task_id in collected:
@@ -221,12 +314,14 @@ class RewardBatch:
         if collected:  # read once, never again: the expiry stays as the safety net
             with contextlib.suppress(redis.RedisError, OSError):
                 self._within(until, lambda: self.app.backend.forget_many(collected))
-        if lost and time.time() < self.deadline:
-            for task_id in lost:
-                self._pending.pop(task_id, None)
-            self.resubmitted += len(lost)
-            with contextlib.suppress(redis.RedisError, kombu.exceptions.OperationalError, OSError):
-                self.send(list(lost.values()))
+
+    def _done(self, until: float | None = None) -> None:
+        """Every outcome is in: workers may drop any copy of the batch's work still around."""
+        self._finished = self._finished or time.monotonic()
+        if self._sentinel:
+            with contextlib.suppress(redis.RedisError, OSError):
+                self._within(until, lambda: lease.end(
+                    self.app.store, self.batch_id, lease.DONE, self._keep_s()))
 
     def _wait_s(self, until: float | None) -> float:
         """How long one wait on Redis may last: a read timeout, never past `until`."""
@@ -257,13 +352,19 @@ class RewardBatch:
         """Tasks whose result will never come: all of them when Redis lost the batch's
         sentinel; those held (running, or waiting out a retry) by a worker whose heartbeat
         lapsed; and those nobody holds while every queue of the route is empty (a message
-        lost between a worker's pop and its bookkeeping), seen so at two checks in a row."""
+        lost between a worker's pop and its bookkeeping, or a restart of Redis), seen so at
+        two checks in a row. Nothing is judged lost until the workers' heartbeats have had
+        time to say again what they hold after Redis was away or lost its data."""
         if self.app.qrq_config.embedded or time.monotonic() < self._next_liveness_check:
             return {}
         self._next_liveness_check = time.monotonic() + LIVENESS_CHECK_S
         store = self.app.store
         if self._sentinel and not store.exists(self._sentinel):
-            return {i: c for i, c in pending.items() if i not in metas}
+            self._set_sentinel()
+            self._quiet_until = time.monotonic() + RECOVERY_GRACE_S
+        if time.monotonic() < self._quiet_until:
+            self._unheld = set()
+            return {}
         waiting = [i for i in pending if i not in metas]
         holders = dict(zip(waiting, store.mget([keys.held(i) for i in waiting]), strict=True))
         hosts = sorted({h for h in holders.values() if h})
@@ -300,12 +401,15 @@ class RewardBatch:
                 self._within(None, lambda: self.cache.put_many(fresh))
 
     def _expire(self) -> None:
-        late = DeadlineExceeded("no result by the batch deadline")
         for chunk in self._pending.values():
+            why = "no result by the batch deadline"
+            if chunk.backend in self._no_worker.warned:  # so the caller's summary says why
+                why += f": {self._no_worker.cause(chunk.backend)}"
             for i in chunk.indices:
-                self._place(i, Outcome.failed(late))
+                self._place(i, Outcome.failed(DeadlineExceeded(why)))
         self._pending.clear()
         self._finished = time.monotonic()
+        lease.release(self.batch_id)  # no Redis write: it may be what made us late
 
     def _place(self, i: int, outcome: Outcome) -> None:
         """The one place an outcome gets its sample's id and, on failure, the fallback score;

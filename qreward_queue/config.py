@@ -12,7 +12,8 @@ import math
 import os
 import re
 import sys
-from dataclasses import dataclass, field
+from collections.abc import Collection
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -125,6 +126,29 @@ class Retry:
 
 
 @dataclass(frozen=True)
+class Price:
+    """What a backend charges per million tokens in and out (`[price]`); gives spend a cost."""
+
+    input_per_million: float = 0.0
+    output_per_million: float = 0.0
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The most a backend may spend (`[budget]`), shared by every worker through Redis: in
+    tokens (in + out) or cost (needs `[price]`), per UTC hour and/or in total; None: no cap."""
+
+    tokens_per_hour: float | None = None
+    tokens_total: float | None = None
+    cost_per_hour: float | None = None
+    cost_total: float | None = None
+
+    def limits(self) -> dict[str, float]:
+        """The caps that are set, by name."""
+        return {k: v for k, v in vars(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
 class Backend:
     """One endpoint or function: its own limits, its own queue `qrq.<name>`, its own pool."""
 
@@ -147,6 +171,8 @@ class Backend:
     limits: Limits = field(default_factory=Limits)
     pool: Pool = field(default_factory=Pool)
     retry: Retry = field(default_factory=Retry)
+    price: Price | None = None
+    budget: Budget | None = None
     source: str = "<memory>"
 
     @property
@@ -198,6 +224,7 @@ class Config:
     max_sample_bytes: int = 1 << 20
     result_expires_s: int = 6 * 3600
     visibility_timeout_s: int = 900
+    lease_s: float = 15.0  # workers stop calling for a batch this long after its client died
     source: str = "<memory>"
     redis_service_name: str | None = None  # the Sentinel service (master name)
     redis_password_env: str | None = None
@@ -211,13 +238,15 @@ class Config:
         """The route called `name` (a bare backend name is a one-backend route)."""
         name = name or self.default_route
         if name is None and self.source == "<memory>":
-            raise UnknownRoute(f"no route given: {config_not_found()}")
+            raise UnknownRoute(f"no route given: {config_not_found(_FROM_PYTHON)}")
         if name is None:
             raise UnknownRoute(f"no route given and {self.source} sets no [defaults] route")
         if name in self.routes:
             return self.routes[name]
         if name in self.backends:
             return Route(name=name, backends=(name,), weights=(1.0,))
+        if self.source == "<memory>" and not self.backends:
+            raise UnknownRoute(f"no route {name!r}: {config_not_found(_FROM_PYTHON)}")
         known = ", ".join(sorted({*self.routes, *self.backends})) or "none"
         raise UnknownRoute(f"unknown route or backend {name!r} (known: {known})")
 
@@ -229,13 +258,35 @@ class Config:
 
 
 class _Table:
-    """A TOML table that reports wrong or unknown keys with the file and the key's path."""
+    """A TOML table that reports wrong or unknown keys with the file and the key's path.
 
-    def __init__(self, data: Any, source: str, path: str):
+    A file's tables share one list of problems, so `check` reports them all at once: a wrong
+    optional value is noted and its default used; a wrong required one, or one the rest of
+    its section depends on, stops that section only (`section`)."""
+
+    def __init__(self, data: Any, source: str, path: str, problems: list[str] | None = None):
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: [{path}] must be a table, got {type(data).__name__}")
         self.data, self.source, self.path = data, source, path
         self.used: set[str] = set()
+        self.problems = [] if problems is None else problems
+
+    def note(self, problem: ConfigError) -> None:
+        self.problems.append(str(problem))
+
+    def section(self, key: str, parse, *args: Any) -> Any:
+        """`parse(table, *args)` on sub-table `key`; on its first hard error, None (noted)."""
+        try:
+            return parse(self.table(key), *args)
+        except ConfigError as exc:
+            self.note(exc)
+            return None
+
+    def check(self) -> None:
+        """Raise one ConfigError listing every problem noted in this file, if any."""
+        if self.problems:
+            prefix = f"{self.source}: "
+            raise ConfigError(prefix + "; ".join(p.removeprefix(prefix) for p in self.problems))
 
     def where(self, key: str) -> str:
         return f"{self.source}: {self.path}.{key}" if self.path else f"{self.source}: {key}"
@@ -258,10 +309,14 @@ class _Table:
                 raise ConfigError(f"{self.where(key)}: missing (expected {expected or kind})")
             return default
         value = self.data[key]
-        if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
-            raise self.fail(key, expected or str(kind))
-        if not isinstance(value, kind):
-            raise self.fail(key, expected or getattr(kind, "__name__", str(kind)))
+        wrong_bool = isinstance(value, bool) and bool not in (
+            kind if isinstance(kind, tuple) else (kind,))
+        if wrong_bool or not isinstance(value, kind):
+            problem = self.fail(key, expected or getattr(kind, "__name__", str(kind)))
+            if required:
+                raise problem
+            self.note(problem)
+            return default
         return value
 
     def number(
@@ -271,27 +326,29 @@ class _Table:
         if value is None:
             return None
         if not math.isfinite(value):
-            raise self.fail(key, "a finite number")
+            self.note(self.fail(key, "a finite number"))
+            return default
         if positive and (value < 0 or (value == 0 and not allow_zero)):
-            raise self.fail(key, "a positive number" if not allow_zero else "a number >= 0")
+            self.note(self.fail(key, "a positive number" if not allow_zero else "a number >= 0"))
+            return default
         return float(value)
 
     def integer(self, key: str, default: int | None, minimum: int = 1) -> int | None:
         value = self.get(key, int, default, expected=f"an integer >= {minimum}")
         if value is not None and value < minimum:
-            raise self.fail(key, f"an integer >= {minimum}")
+            self.note(self.fail(key, f"an integer >= {minimum}"))
+            return default
         return value
 
     def table(self, key: str) -> _Table:
         self.used.add(key)
-        return _Table(self.data.get(key, {}), self.source, f"{self.path}.{key}".strip("."))
+        return _Table(self.data.get(key, {}), self.source, f"{self.path}.{key}".strip("."),
+                      self.problems)
 
     def finish(self) -> None:
-        unknown = sorted(set(self.data) - self.used)
-        if unknown:
-            raise ConfigError(
-                f"{self.where(unknown[0])}: unknown key (known: {', '.join(sorted(self.used))})"
-            )
+        for key in sorted(set(self.data) - self.used):
+            self.note(ConfigError(
+                f"{self.where(key)}: unknown key (known: {', '.join(sorted(self.used))})"))
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
@@ -353,11 +410,44 @@ def _retry(t: _Table) -> Retry:
     return retry
 
 
+def _numbers(t: _Table, cls: type, default: float | None, **opts: bool):
+    """A table of numbers only (`[price]`, `[budget]`): one per field of `cls`."""
+    value = cls(*(t.number(f.name, default, **opts) for f in fields(cls)))
+    t.finish()
+    return value
+
+
+def _budget(t: _Table) -> Budget:
+    budget = _numbers(t, Budget, None)
+    if not budget.limits():
+        raise ConfigError(f"{t.source}: budget: expected at least one of tokens_per_hour, "
+                          "tokens_total, cost_per_hour, cost_total")
+    return budget
+
+
 def load_backend(path: str | os.PathLike[str]) -> Backend:
-    """Read one workers/<backend>.toml."""
+    """Read one workers/<backend>.toml; every problem in it is reported in one ConfigError."""
     path = Path(path)
     root = _Table(_read_toml(path), str(path), "")
-    b = root.table("backend")
+    values = root.section("backend", _backend_values, path)
+    raw = root.data.get("backend")
+    kind = values["kind"] if values else raw.get("kind") if isinstance(raw, dict) else None
+    limits = root.section("limits", _limits)
+    pool = root.section("pool", _pool, kind if kind in KINDS else "judge")
+    retry = root.section("retry", _retry)
+    price = root.section("price", _numbers, Price, 0.0, allow_zero=True) \
+        if "price" in root.data else None
+    budget = root.section("budget", _budget) if "budget" in root.data else None
+    if budget and {"cost_per_hour", "cost_total"} & set(budget.limits()) and price is None:
+        root.note(ConfigError(f"{path}: budget: a cost budget needs a [price] table"))
+    root.finish()
+    root.check()
+    return Backend(**values, limits=limits, pool=pool, retry=retry, price=price, budget=budget,
+                   source=str(path))
+
+
+def _backend_values(b: _Table, path: Path) -> dict[str, Any]:
+    """The [backend] table of a backend file, as Backend's keyword arguments."""
     kind = b.get("kind", str, required=True, expected=f"one of {', '.join(KINDS)}")
     if kind not in KINDS:
         raise b.fail("kind", f"one of {', '.join(KINDS)}")
@@ -365,6 +455,8 @@ def load_backend(path: str | os.PathLike[str]) -> Backend:
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
         raise b.fail("name", "letters, digits, '.', '_' or '-'")
     values: dict[str, Any] = {
+        "name": name,
+        "kind": kind,
         "timeout_s": b.number("timeout_s", Backend.timeout_s),
         "api_key_env": _env_name(b),
     }
@@ -405,17 +497,7 @@ def load_backend(path: str | os.PathLike[str]) -> Backend:
         values["options"] = b.get("options", dict, {}, expected="a table of keyword arguments")
     values["chunk_size"] = b.integer("chunk_size", 16 if kind == "function" else None)
     b.finish()
-    backend = Backend(
-        name=name,
-        kind=kind,
-        **values,
-        limits=_limits(root.table("limits")),
-        pool=_pool(root.table("pool"), kind),
-        retry=_retry(root.table("retry")),
-        source=str(path),
-    )
-    root.finish()
-    return backend
+    return values
 
 
 def _score_range(t: _Table, default: tuple[float, float] | None) -> tuple[float, float] | None:
@@ -455,7 +537,9 @@ def _check_template(t: _Table, template: str) -> None:
         ) from None
 
 
-def _routes(t: _Table, backends: dict[str, Backend]) -> dict[str, Route]:
+def _routes(t: _Table, backends: dict[str, Backend], broken: Collection[str] = ()
+            ) -> dict[str, Route]:
+    """The [routes] table; backends of `broken` files are left out of their routes."""
     routes = {}
     for name in list(t.data):
         r = t.table(name)
@@ -463,12 +547,15 @@ def _routes(t: _Table, backends: dict[str, Backend]) -> dict[str, Route]:
         if not names or not all(isinstance(n, str) for n in names):
             raise r.fail("backends", "a non-empty list of backend names")
         for n in names:
-            if n not in backends:
+            if n not in backends and n not in broken:
                 raise r.fail(
                     "backends",
                     f"backends defined in the workers directory "
                     f"(no file defines {n!r}; known: {', '.join(sorted(backends))})",
                 )
+        names = [n for n in names if n not in broken]
+        if not names:
+            continue
         w = r.table("weights")
         weights = tuple(w.number(n, 1.0) for n in names)
         w.finish()
@@ -527,12 +614,14 @@ def _redis_settings(t: _Table, env_url: str | None) -> tuple[str | None, dict]:
     return url, target
 
 
-def config_not_found() -> str:
-    """Where the default lookup looked, and how to point it at a file."""
+_FROM_PYTHON = "call qreward_queue.configure(FILE) or set QRQ_CONFIG=FILE"
+
+
+def config_not_found(how: str = "pass --config FILE or set QRQ_CONFIG=FILE") -> str:
+    """Where the default lookup looked, and `how` to point it at a file."""
     return (
         f"no qrq.toml found ($QRQ_CONFIG is unset and there is no {Path.cwd() / 'qrq.toml'}); "
-        f"pass --config FILE or set QRQ_CONFIG=FILE (an example ships with qrq: "
-        f"{PACKAGED_CONFIG})"
+        f"{how} (an example ships with qrq: {PACKAGED_CONFIG})"
     )
 
 
@@ -544,10 +633,15 @@ def find_config() -> str | None:
     return path
 
 
-def load_config(path: str | os.PathLike[str] | None = None) -> Config:
+def load_config(
+    path: str | os.PathLike[str] | None = None, broken: dict[str, str] | None = None
+) -> Config:
     """Load qrq.toml (argument, else $QRQ_CONFIG, else ./qrq.toml) and its backend files.
 
-    Without any file, the result is an empty embedded configuration.
+    Without any file, the result is an empty embedded configuration. Every problem of one file
+    is reported at once. With a `broken` dict (what a worker passes: it needs its own file and
+    only the routes of the others), a backend file with problems is left out and its message
+    kept there under the file's path, instead of stopping everything.
     """
     path = path or find_config()
     env_url = os.environ.get("QRQ_REDIS_URL") or None
@@ -562,10 +656,17 @@ def load_config(path: str | os.PathLike[str] | None = None) -> Config:
     d = root.table("defaults")
     workers_dir = path.parent / root.get("workers_dir", str, "workers")
     if not workers_dir.is_dir():
-        raise ConfigError(f"{path}: workers_dir: no directory {workers_dir}")
+        root.note(ConfigError(f"{path}: workers_dir: no directory {workers_dir}"))
+        root.check()
     backends = {}
     for file in sorted(workers_dir.glob("*.toml")):
-        backend = load_backend(file)
+        try:
+            backend = load_backend(file)
+        except ConfigError as exc:
+            if broken is None:
+                raise
+            broken[str(file)] = str(exc)
+            continue
         if backend.name in backends:
             raise ConfigError(
                 f"{file}: backend.name: {backend.name!r} is also defined in "
@@ -575,18 +676,21 @@ def load_config(path: str | os.PathLike[str] | None = None) -> Config:
     config = Config(
         redis_url=url,
         backends=backends,
-        routes=_routes(root.table("routes"), backends),
+        routes=root.section("routes", _routes, backends,
+                            {Path(f).stem for f in broken or {}}) or {},
         default_route=d.get("route", str, None),
         deadline_s=d.number("deadline_s", 600.0),
         fallback_score=d.number("fallback_score", 0.0, positive=False),
         max_sample_bytes=d.integer("max_sample_bytes", 1 << 20),
         result_expires_s=d.integer("result_expires_s", 6 * 3600),
         visibility_timeout_s=d.integer("visibility_timeout_s", 900),
+        lease_s=d.number("lease_s", 15.0),
         source=str(path),
         **target,
     )
     d.finish()
     root.finish()
+    root.check()
     if config.default_route is not None:
         try:
             config.route(config.default_route)

@@ -9,10 +9,14 @@ QrqError
     ├── RetryableError     worth another try, here or on a sibling backend
     │   ├── RateLimited        HTTP 429 (carries Retry-After)
     │   ├── TransientError     timeout, connection error, 5xx
-    │   └── LimiterBusy        the global limiter cannot start the call soon: try again later
+    │   ├── LimiterBusy        the global limiter cannot start the call soon: try again later
+    │   └── BudgetExceeded     the call would pass the backend's budget: not made (a sibling
+    │                          backend may take the sample; if none, status "error")
     ├── PermanentError     other 4xx, unparseable verdict: retrying cannot help
     │   └── SampleTimeout      a reward function ran over its time limit: status "timeout"
-    └── DeadlineExceeded   the batch deadline passed first: outcome status "timeout"
+    ├── DeadlineExceeded   the batch deadline passed first: outcome status "timeout"
+    └── Cancelled          nobody waits any more (cancel(), an interrupted wait, a lapsed
+                           lease): outcome status "cancelled"
 """
 
 from __future__ import annotations
@@ -102,6 +106,17 @@ class LimiterBusy(RetryableError):
         self.reason = reason
 
 
+class BudgetExceeded(RetryableError):
+    """A call that would pass a cap of the backend's `[budget]` was not made."""
+
+    def __init__(self, backend: str, cap: str, limit: float, used: float, want: float) -> None:
+        super().__init__(
+            f"budget {cap} = {limit:g} of backend {backend!r} reached ({used:g} used, the call "
+            f"needs ~{want:g}): the call was not made"
+        )
+        self.cap = cap
+
+
 class DeadlineExceeded(ScoringError):
     """The batch deadline passed before the sample was scored."""
 
@@ -112,3 +127,9 @@ class SampleTimeout(PermanentError):
     """A reward function ran over its per-sample time limit and was stopped."""
 
     status = "timeout"
+
+
+class Cancelled(ScoringError):
+    """The batch was cancelled, or its caller's lease lapsed, before the sample was scored."""
+
+    status = "cancelled"

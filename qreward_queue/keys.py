@@ -42,6 +42,18 @@ def batch_sentinel(batch_id: str) -> str:
     return f"{PREFIX}batch:{batch_id}"
 
 
+def lease(batch_id: str) -> str:
+    """A batch's lease: `live` while its client renews it (short TTL), then `cancelled` or
+    `done`; workers make no call for a batch whose lease says so or lapsed."""
+    return f"{PREFIX}lease:{batch_id}"
+
+
+def records(batch_id: str) -> str:
+    """Hash of a batch's finished samples (input index -> outcome JSON), written by workers as
+    each finishes, so that a chunk run again calls only what is still missing."""
+    return f"{PREFIX}done:{batch_id}"
+
+
 DEAD_LETTERS = f"{PREFIX}dead-letters"  # malformed task messages, newest first, kept to inspect
 
 
@@ -64,6 +76,19 @@ def breaker(backend: str) -> dict[str, str]:
     """The circuit breaker's keys: failure count, open flag, tripped flag, half-open probe."""
     tag = _tag(backend)
     return {name: f"{tag}:{name}" for name in ("fails", "open", "tripped", "probe")}
+
+
+def spend(backend: str, hour: int | None = None) -> str:
+    """A backend's spend hash: the running total or, with `hour` (UTC hours since the epoch),
+    that hour's (kept 2 h). Fields: calls, tokens_in, tokens_out, estimated (calls whose reply
+    gave no usage: their estimate is counted), cost_micro (millionths of the price's unit);
+    an hour's also held_tokens, held_cost_micro (booked by calls in flight under a budget)."""
+    return f"{_tag(backend)}:spend" + ("" if hour is None else f":{hour}")
+
+
+def batch_spend(batch_id: str) -> str:
+    """One batch's spend per backend (fields `<backend>:<field>`), for its summary()."""
+    return f"{PREFIX}spend:{batch_id}"
 
 
 def cache_stats(route: str) -> str:

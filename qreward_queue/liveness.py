@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import redis
 
 from . import keys
 
 log = logging.getLogger("qreward_queue")
+HEARTBEAT_S = 5  # a worker's heartbeat, and a running task's `qrq:held:` key, every 5 s
+HELD_TTL_S = 6 * 3600
 CONSUMERS_TTL_S = 24 * 3600  # the set outlives any pause in heartbeats; refreshed by each beat
 CHECK_EVERY_S = 2.0
 RECOVERY_GRACE_S = 6.0  # after an outage: a worker's heartbeat period (5 s) and a margin
@@ -78,11 +81,52 @@ class NoWorkerWatch:
                 if not live_workers(self.app.store, config.backend(b).queue)
             }
         for name in sorted(unserved & self._unserved):
-            backend = config.backend(name)
-            log.warning(
-                "qrq: warning: no live worker consumes queue %s of backend %r; start one with "
-                "`qrq worker %s` (still waiting, until the batch deadline)",
-                backend.queue, name, backend.source,
-            )
+            log.warning("qrq: warning: %s (still waiting, until the batch deadline)",
+                        self.cause(name))
             self.warned.add(name)
         self._unserved = unserved - self.warned
+
+    def cause(self, name: str) -> str:
+        """What is wrong with backend `name`'s queue, and the command that fixes it."""
+        backend = self.app.qrq_config.backend(name)
+        return (f"no live worker consumes queue {backend.queue} of backend {name!r}; start one "
+                f"with `qrq worker {backend.source}`")
+
+
+class HeldKeeper:
+    """Says again, every `every_s`, which tasks this process is running (`qrq:held:<task>` =
+    its node), so that after Redis lost its data a client can tell a task still running,
+    which it must not send again (that would buy its calls twice), from one that was lost."""
+
+    def __init__(self, every_s: float) -> None:
+        self.every_s = every_s
+        self._lock = threading.Lock()
+        self._running: dict[str, tuple[redis.Redis, str, int]] = {}
+        self._thread: threading.Thread | None = None
+
+    @contextlib.contextmanager
+    def holding(self, store: redis.Redis, task_id: str, node: str, ttl_s: int) -> Iterator[None]:
+        with self._lock:
+            self._running[task_id] = (store, node, ttl_s)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="qrq-held", daemon=True)
+                self._thread.start()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running.pop(task_id, None)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.every_s)
+            with self._lock:
+                running = list(self._running.items())
+            if not running:
+                continue
+            store = running[0][1][0]
+            # Redis away: say it again at the next round
+            with contextlib.suppress(redis.RedisError, OSError), store.pipeline(False) as pipe:
+                for task_id, (_, node, ttl_s) in running:
+                    pipe.set(keys.held(task_id), node, ex=ttl_s)
+                pipe.execute()

@@ -25,6 +25,11 @@ Exporter metrics (read from Redis at scrape time):
     qrq_breaker_state{backend}                     0 closed, 1 half-open, 2 open
     qrq_workers_alive                              worker nodes with a fresh heartbeat
     qrq_cache_lookups_total{route}, qrq_cache_hits_total{route}
+    qrq_spend_calls_total{backend}                 calls made (every worker, all time)
+    qrq_spend_tokens_total{backend,direction}      their tokens, direction in | out
+    qrq_spend_estimated_calls_total{backend}       calls whose reply gave no usage (estimated)
+    qrq_spend_cost_total{backend}                  their cost, with a [price] in the backend file
+    qrq_budget_limit{backend,cap}, qrq_budget_used{backend,cap}   each [budget] cap and its use
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from celery.signals import task_success
 
 from . import keys
 from .errors import ConfigError
+from .extras import require
 
 if TYPE_CHECKING:
     import redis
@@ -199,11 +205,7 @@ def serve_worker(port: int, host: str = "0.0.0.0") -> str:
 
 def _require_client() -> None:
     """A clear one-line error instead of an ImportError when the extra is missing."""
-    try:
-        import prometheus_client  # noqa: F401
-    except ImportError:
-        raise ConfigError("metrics need prometheus_client: pip install "
-                          "'qreward-queue[metrics]'") from None
+    require("prometheus_client", "Prometheus metrics")
 
 
 class RedisStateCollector:
@@ -233,8 +235,25 @@ class RedisStateCollector:
             ("paused_seconds", "Seconds left in a 429 pause", ["backend"]),
             ("breaker_state", "Circuit breaker: 0 closed, 1 half-open, 2 open", ["backend"]),
         )}
+        spend = {name: CounterMetricFamily(f"qrq_spend_{name}", doc, labels=labels)
+                 for name, doc, labels in (
+                     ("calls", "Backend calls made", ["backend"]),
+                     ("tokens", "Tokens of backend calls", ["backend", "direction"]),
+                     ("estimated_calls", "Calls whose reply gave no usage", ["backend"]),
+                     ("cost", "Cost of backend calls (per the [price])", ["backend"]))}
+        budget = {name: GaugeMetricFamily(f"qrq_budget_{name}", doc, labels=["backend", "cap"])
+                  for name, doc in (("limit", "A budget cap"), ("used", "A budget cap's use"))}
         for row in backend_rows(app):
             name = row["backend"]
+            total = row["spend"]["total"]
+            spend["calls"].add_metric([name], total["calls"])
+            spend["tokens"].add_metric([name, "in"], total["tokens_in"])
+            spend["tokens"].add_metric([name, "out"], total["tokens_out"])
+            spend["estimated_calls"].add_metric([name], total["estimated_calls"])
+            spend["cost"].add_metric([name], total["cost"])
+            for cap, figures in row["spend"]["budgets"].items():
+                budget["limit"].add_metric([name, cap], figures["limit"])
+                budget["used"].add_metric([name, cap], figures["used"])
             queue = app.backend_config(name).queue
             for level, depth in queue_depths(app.store, queue).items():
                 g["queue_depth"].add_metric([name, PRIORITY_NAMES.get(level, str(level))], depth)
@@ -250,6 +269,8 @@ class RedisStateCollector:
                 g["rate_limit_per_minute"].add_metric([name, limit], figures["per_minute"])
                 g["bucket_level"].add_metric([name, limit], figures["level"])
         yield from g.values()
+        yield from spend.values()
+        yield from budget.values()
         alive = GaugeMetricFamily("qrq_workers_alive", "Worker nodes with a fresh heartbeat")
         alive.add_metric([], sum(1 for _ in app.store.scan_iter(keys.alive("*"), count=1000)))
         yield alive

@@ -13,6 +13,9 @@ Endpoints:
     POST /v1/rewards           {"items": [{"prompt", "response"}, ...]} -> {"scores", "usage"}
     GET /stats, POST /stats/reset, GET /health
 
+/stats counts requests (every POST), accepted, rate_limited, errors, ... and the usage it
+billed in its 200 replies: prompt_tokens and completion_tokens (the truth spend is checked by).
+
 Tokens are ceil(characters / 4). A chat call costs prompt_tokens plus max_tokens when given (as
 OpenAI reserves it), else plus completion_tokens; a rewards call costs the sum over its items of
 ceil((len(prompt) + len(response)) / 4) and counts as one request.
@@ -76,6 +79,8 @@ _COUNTERS = (
     "connections_opened",
     "tokens",
     "items",
+    "prompt_tokens",
+    "completion_tokens",
 )
 _BAD_JSON = b'{"id": "chatcmpl-broken", "object": "chat.completion", "choices": [{"mess'
 _completion_ids = itertools.count(1)
@@ -179,6 +184,7 @@ class _Call:
     triggers: set[str]
     items: int
     reply: Callable[[], Json]
+    usage: tuple[int, int] = (0, 0)  # prompt and completion tokens its reply reports
 
 
 @dataclass
@@ -349,7 +355,8 @@ def _parse_chat(body: bytes) -> _Call:
         }
 
     cost = prompt_tokens + (max_tokens or completion_tokens)
-    return _Call(tokens=cost, triggers=triggers, items=0, reply=reply)
+    return _Call(tokens=cost, triggers=triggers, items=0, reply=reply,
+                 usage=(prompt_tokens, completion_tokens))
 
 
 def _parse_rewards(body: bytes) -> _Call:
@@ -367,7 +374,8 @@ def _parse_rewards(body: bytes) -> _Call:
     scores = "nope" if garbage else [rm_verdict(item["prompt"], item["response"]) for item in items]
     reply = {"scores": scores, "usage": usage}
     scored = 0 if garbage else len(items)
-    return _Call(tokens=tokens, triggers=triggers, items=scored, reply=lambda: reply)
+    return _Call(tokens=tokens, triggers=triggers, items=scored, reply=lambda: reply,
+                 usage=(tokens, 0))
 
 
 class _Server(ThreadingHTTPServer):
@@ -483,6 +491,8 @@ class _Handler(BaseHTTPRequestHandler):
         if "badjson" in call.triggers:
             return 200, _BAD_JSON
         judge.count("items", call.items)
+        judge.count("prompt_tokens", call.usage[0])
+        judge.count("completion_tokens", call.usage[1])
         return 200, json.dumps(call.reply()).encode()
 
     def _send_json(self, status: int, payload: Json, headers: dict[str, str] | None = None) -> None:

@@ -12,8 +12,9 @@ the smallest of
                                                                 for functions its processes)
     CPU             cores / CPU seconds per call                (functions: cores of their pool)
 
-and the step takes calls / rate + one latency, less the calls the bucket's burst admits at
-once (the limiter's buckets start full).
+and the step takes calls / rate + one latency. A plan never promises more than a limit
+allows: the burst a full bucket admits at once is not counted (the demo's limiter, its bucket
+drained by the clients before it, measured the limit's rate; benchmarks/plan_check.py).
 """
 
 from __future__ import annotations
@@ -143,19 +144,18 @@ def plan_route(config: Config, route_name: str | None, work: Workload,
         calls = math.ceil(share / samples_per_call(b))
         binding = min(rates, key=rates.__getitem__)
         plans.append(BackendPlan(b.name, share, calls, samples_per_call(b), tokens, rates,
-                                 binding, _wall_s(b, calls, binding, rates[binding], work)))
+                                 binding, _wall_s(b, calls, rates[binding], work)))
     plan = Plan(route.name, work.n, max(p.wall_s for p in plans), plans, target_s)
     if target_s is not None and plan.wall_s > target_s:
         plan.advice = advise(members, plan, work, target_s)
     return plan
 
 
-def _wall_s(backend: Backend, calls: int, binding: str, rate: float, work: Workload) -> float:
-    """calls / rate, less the calls a full bucket admits at once, plus the last call's time."""
-    burst = min(rate * backend.limits.burst_s, calls) if binding in ("rpm", "tpm") else 0
+def _wall_s(backend: Backend, calls: int, rate: float, work: Workload) -> float:
+    """calls / rate plus the last call's time: never faster than the binding limit allows."""
     last = (cpu_s_per_call(backend, work) if backend.kind == "function"
             else work.latency(backend.name))
-    return (calls - burst) / rate + last
+    return calls / rate + last
 
 
 def advise(members: list[Backend], plan: Plan, work: Workload, target_s: float) -> list[str]:

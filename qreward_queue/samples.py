@@ -10,8 +10,8 @@ from typing import Any, Literal
 from .errors import InvalidSamples, ScoringError
 from .redact import redact
 
-Status = Literal["ok", "cached", "timeout", "error"]
-STATUSES: tuple[str, ...] = ("ok", "cached", "timeout", "error")
+Status = Literal["ok", "cached", "timeout", "error", "cancelled"]
+STATUSES: tuple[str, ...] = ("ok", "cached", "timeout", "error", "cancelled")
 DEFAULT_MAX_SAMPLE_BYTES = 1 << 20
 
 _REQUIRED_TEXT = ("prompt", "response")

@@ -1,4 +1,4 @@
-"""`qrq status`: what each backend's queue and limiter look like right now."""
+"""`qrq status`: what each backend's queue and limiter look like right now, and its spend."""
 
 from __future__ import annotations
 
@@ -13,10 +13,12 @@ from .config import Config
 from .limiter import CLAIM_WINDOW_S, CORROBORATE
 from .liveness import live_workers
 from .routing import chunk_size
+from .spend import backend_spend
 
 
 def backend_rows(app: QrqCelery) -> list[dict]:
-    """One row per backend: queue depth plus the limiter's view (levels, leases, AIMD, 429s)."""
+    """One row per backend: queue depth plus the limiter's view (levels, leases, AIMD, 429s)
+    and its spend (total, this hour, each budget cap's use and what is left)."""
     rows = []
     for name, backend in app.qrq_config.backends.items():
         limiter = app.limiter(name)
@@ -25,6 +27,7 @@ def backend_rows(app: QrqCelery) -> list[dict]:
             "kind": backend.kind,
             "queued": queue_depth(app.store, backend.queue),
             "workers": len(live_workers(app.store, backend.queue)),
+            "spend": backend_spend(app.store, backend),
         }
         row.update(limiter.status() if limiter else {})
         rows.append(row)
@@ -94,6 +97,8 @@ def render_snapshot(snap: dict) -> str:
     lines += [f"  {row['backend']}: a reply out of bounds (last 10 min): {row['bounded']}"
               for row in snap["backends"] if row.get("bounded")]
     lines += [line for row in snap["backends"] for line in _learned_lines(row)]
+    for row in snap["backends"]:
+        lines += render_spend(row["backend"], row["spend"])
     return "\n".join(lines)
 
 
@@ -116,6 +121,23 @@ def _learned_lines(row: dict) -> list[str]:
                 f"  {row['backend']}: {name} limit {told} told ({heard}), not believed: it "
                 f"takes {CORROBORATE} agreeing replies within {CLAIM_WINDOW_S:g} s of each "
                 "other, or a 429 saying it")
+    return lines
+
+
+def render_spend(backend: str, spend: dict) -> list[str]:
+    """`<backend>: spent ...` and one line per budget cap (nothing for a backend never used)."""
+    total, hour = spend["total"], spend["this_hour"]
+    if not total["calls"] and not spend["budgets"]:
+        return []
+
+    def figures(f: dict) -> str:
+        estimated = f" ({f['estimated_calls']:,} estimated)" if f["estimated_calls"] else ""
+        return (f"{f['calls']:,} calls, {f['tokens_in']:,} tokens in, "
+                f"{f['tokens_out']:,} out{estimated}, cost {f['cost']:.4f}")
+
+    lines = [f"  {backend}: spent {figures(total)}; this hour {figures(hour)}"]
+    lines += [f"  {backend}: budget {cap} {b['limit']:,g}: {b['used']:,g} used, "
+              f"{b['left']:,g} left" for cap, b in spend["budgets"].items()]
     return lines
 
 

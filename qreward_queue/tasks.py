@@ -21,14 +21,18 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache, partial
+from functools import cache, partial, wraps
 from typing import Literal
 
-from . import capacity, metrics
+import redis
+
+from . import capacity, liveness, metrics, records
 from .backends import BackendClient, Call, make_backend
 from .breaker import CircuitBreaker
 from .config import Backend, Retry
 from .errors import (
+    BudgetExceeded,
+    Cancelled,
     DeadlineExceeded,
     LimiterBusy,
     PermanentError,
@@ -40,6 +44,7 @@ from .errors import (
 from .limiter import Grant, Limiter
 from .routing import failover_target
 from .samples import Outcome
+from .spend import Booking, Ledger, Usage
 
 TASK_NAME = "qrq.score_chunk"
 # The start of a chunk's outcomes that Flower and the task-succeeded event show: Celery walks
@@ -154,7 +159,10 @@ class ChunkRunner:
     Afterwards `outcomes` holds an Outcome per sample (None: not tried, because the limiter
     asked for a long wait, see `busy_s`, or not done just before the batch deadline, so that
     the results of its chunk-mates still reach the client in time) and `retryable` the
-    positions worth another try.
+    positions worth another try. `stop()` names why no new call may start (the batch was
+    cancelled or its caller is gone; asked before each call), and `record(position, outcome)`
+    gets each final outcome as its call ends. Each call's tokens go to `ledger`, which also
+    refuses calls over the backend's budget (`over_budget` then says so).
     """
 
     def __init__(
@@ -165,10 +173,17 @@ class ChunkRunner:
         attempt: int,
         may_refuse: bool = True,
         deadline: float | None = None,
+        stop: Callable[[], str | None] = lambda: None,
+        record: Callable[[int, Outcome], None] | None = None,
+        ledger: Ledger | None = None,
+        batch_id: str | None = None,
     ):
         self.config, self.limiter, self.breaker, self.attempt = config, limiter, breaker, attempt
         self.may_refuse = may_refuse  # an open circuit refuses calls only while siblings remain
         self.deadline = deadline
+        self.stop, self.record = stop, record
+        self.ledger, self.batch_id = ledger, batch_id  # spend (and budget) of the calls
+        self.over_budget = False
         self.client = _client(config)
         self.busy_s: float | None = None
         self.outcomes: list[Outcome | None] = []
@@ -182,7 +197,7 @@ class ChunkRunner:
             return self
         pool = call_pool(self.config)
         running = InFlight()
-        while calls and self.busy_s is None and not self._past_deadline():
+        while calls and self.busy_s is None and not self._past_deadline() and not self.stop():
             slots = pool.take(len(calls))
             tokens = max(self.client.estimate_tokens([samples[i] for i in calls[k]])
                          for k in range(slots)) if self.limiter else 0
@@ -237,6 +252,8 @@ class ChunkRunner:
                     time.sleep(wait_s)
                     continue
                 result: Call | ScoringError = exc
+            except (Cancelled, BudgetExceeded) as exc:
+                result = exc
             except PermanentError as exc:
                 if len(positions) > 1:  # isolate the bad item: split, then each half on its own
                     half = len(positions) // 2
@@ -257,14 +274,17 @@ class ChunkRunner:
                 self.outcomes[i] = Outcome.failed(result, name, attempts, latency_ms)
                 if isinstance(result, RetryableError):
                     self.retryable.add(i)
-            return
-        details = result.details or [None] * len(positions)
-        for i, score, detail in zip(positions, result.scores, details, strict=True):
-            self.outcomes[i] = (
-                Outcome.failed(score, name, attempts, latency_ms)
-                if isinstance(score, ScoringError)
-                else Outcome(score, "ok", name, attempts, latency_ms, detail=detail)
-            )
+        else:
+            details = result.details or [None] * len(positions)
+            for i, score, detail in zip(positions, result.scores, details, strict=True):
+                self.outcomes[i] = (
+                    Outcome.failed(score, name, attempts, latency_ms)
+                    if isinstance(score, ScoringError)
+                    else Outcome(score, "ok", name, attempts, latency_ms, detail=detail)
+                )
+        if self.record is not None and not isinstance(result, (RetryableError, Cancelled)):
+            for i in positions:
+                self.record(i, self.outcomes[i])  # type: ignore[arg-type]
 
     def _guarded_call(self, batch: list[dict], grant: Grant | None) -> Call:
         if self.may_refuse and self.breaker is not None and not self.breaker.allow():
@@ -281,14 +301,22 @@ class ChunkRunner:
                     self.breaker.release_probe()
                 raise
         name = self.config.name
-        started = time.monotonic()
         try:
             if grant is not None:
                 grant.wait()
                 metrics.record_limiter_wait(name, grant.wait_s)
-            started = time.monotonic()
+            booking = self._clearance(batch)
+        except BaseException as exc:  # the call is not made: its lease (and probe) go back
+            if grant is not None:
+                grant.finish()
+            if self.breaker is not None and isinstance(exc, ScoringError):
+                self.breaker.release_probe()
+            raise
+        started = time.monotonic()
+        try:
             call = self.client.call(batch)
         except ScoringError as exc:
+            self._spent(batch, None, booking, replied=200 <= (exc.status_code or 0) < 300)
             metrics.record_request(name, exc.status_code, time.monotonic() - started,
                                    "timeout" if exc.timed_out else "error")
             paused = self._learn(grant, exc.status_code, exc.headers, exc.timed_out,
@@ -297,14 +325,44 @@ class ChunkRunner:
                 exc.retry_after_s = 0.0
             raise
         except BaseException:
+            self._spent(batch, None, booking, replied=False)
             if grant is not None:
                 grant.finish()
             raise
+        self._spent(batch, call, booking, replied=True)
         metrics.record_request(name, call.status_code, time.monotonic() - started)
         if grant is not None and call.tokens is not None:
             grant.settle(actual_tokens=call.tokens)
         self._learn(grant, call.status_code, call.headers, False, failed=False)
         return call
+
+    def _clearance(self, batch: list[dict]) -> Booking | None:
+        """Whether the call may be made now: Cancelled when nobody waits for it any more,
+        BudgetExceeded when it would pass the backend's budget (else its booking)."""
+        stopped = self.stop()
+        if stopped:
+            raise Cancelled(stopped)
+        if self.ledger is None:
+            return None
+        try:
+            return self.ledger.book(Usage.estimate(*self.client.estimate_usage(batch)))
+        except BudgetExceeded:
+            self.over_budget = True
+            raise
+
+    def _spent(self, batch: list[dict], call: Call | None, booking: Booking | None,
+               replied: bool) -> None:
+        """Add the call's tokens to the spend: the reply's usage, else the estimate when the
+        backend answered (it may bill), else nothing (no reply: no usage known)."""
+        if self.ledger is None:
+            return
+        if call is not None and call.usage is not None:
+            usage = Usage(*call.usage)
+        elif replied and self.config.kind != "function":  # a function has no tokens
+            usage = Usage.estimate(*self.client.estimate_usage(batch))
+        else:
+            usage = Usage(0, 0)
+        self.ledger.spent(usage, booking, self.batch_id)
 
     def _throttled_wait(self, exc: RateLimited, attempt: int) -> float:
         """A 429'd call's own wait: Retry-After (bounded; 0 when the limiter paused everyone
@@ -385,17 +443,29 @@ def score_chunk(
     done: list[dict | None] | None = None,
     tried: list[str] | None = None,
     attempt: int = 1,
+    batch: str | None = None,
+    indices: list[int] | None = None,
 ) -> list[dict]:
     """Score `samples` on `backend`; one outcome dict per sample, in input order.
 
     `done` carries outcomes settled by earlier runs of this task (after a backoff, a long
-    limiter wait or a failover), so a retried task scores only what is left.
+    limiter wait or a failover), so a retried task scores only what is left. `batch` and
+    `indices` (the samples' places in it) tie the task to its batch's lease (no call for a
+    batch nobody waits for) and per-sample records (no call for a sample already scored).
     """
     app = self.app
     config = app.backend_config(backend)
     done = list(done) if done else [None] * len(samples)
     todo = [i for i, o in enumerate(done) if o is None]
     _requeued(app, config.queue, -len(todo))
+    stop = partial(app.batch_watch.stop_reason, batch)
+    recorder = None
+    if batch is not None and indices is not None and len(indices) == len(samples):
+        todo = _skip_recorded(app, batch, indices, todo, done)
+        recorder = records.Recorder(app.store, batch, deadline)
+    why = stop()
+    if why:  # a queued chunk of a cancelled or abandoned batch: dropped, nothing called
+        return _cancelled(done, todo, why, backend, attempt)
     siblings = [b for b in (route or []) if b != backend and b not in (tried or [])]
     breaker = app.breaker(backend) if len(route or ()) > 1 else None
     left: dict[int, Outcome | None] = {}
@@ -404,9 +474,17 @@ def score_chunk(
         left = {pos: Outcome.failed(TransientError(unusable), backend, attempt) for pos in todo}
         busy_s, circuit_open, attempt = None, True, max(attempt, config.retry.attempts)
     else:
-        runner = ChunkRunner(
-            config, app.limiter(backend), breaker, attempt, bool(siblings), deadline
-        ).run([samples[i] for i in todo])
+        record = None if recorder is None else (
+            lambda k, outcome: recorder.record(indices[todo[k]], outcome.to_dict()))
+        try:
+            runner = ChunkRunner(
+                config, app.limiter(backend), breaker, attempt, bool(siblings), deadline,
+                stop, record, app.ledger(backend), batch,
+            ).run([samples[i] for i in todo])
+        finally:
+            app.ledger(backend).flush()
+            if recorder is not None:
+                recorder.flush()
         for k, pos in enumerate(todo):
             outcome = runner.outcomes[k]
             if outcome is None or k in runner.retryable:
@@ -414,6 +492,14 @@ def score_chunk(
             else:
                 done[pos] = outcome.to_dict()
         busy_s, circuit_open = runner.busy_s, breaker is not None and breaker.is_open()
+        # over budget: a sibling may take the work at once; without one the budget's error
+        # stands (waiting here would not make the budget any larger)
+        circuit_open = circuit_open or runner.over_budget
+        if runner.over_budget and not siblings:
+            attempt = max(attempt, config.retry.attempts)
+    why = stop() if left else None
+    if why:  # nobody waits for what is left: no retry, no failover
+        return _cancelled(done, list(left), why, backend, attempt)
     nxt = decide(
         len(left),
         attempt,
@@ -449,7 +535,8 @@ def score_chunk(
             countdown=0,
             **summary(target, samples),
         )
-    note = f" (gave up after {attempt} attempt(s) on {backend!r}; {nxt.why})"
+    tried_here = "no call made" if unusable else f"gave up after {attempt} attempt(s)"
+    note = f" ({tried_here} on {backend!r}; {nxt.why})"
     for pos, outcome in left.items():
         done[pos] = (
             outcome
@@ -458,6 +545,26 @@ def score_chunk(
         ).to_dict()
         done[pos]["error"] += note
     return done
+
+
+def _skip_recorded(app, batch: str, indices: list[int], todo: list[int],
+                   done: list[dict | None]) -> list[int]:
+    """Fill `done` from the batch's records (samples an earlier run finished); what is left."""
+    try:
+        recorded = records.read(app.store, batch, [indices[pos] for pos in todo])
+    except (redis.RedisError, OSError):  # Redis away: calling again beats failing the task
+        return todo
+    for pos in todo:
+        if indices[pos] in recorded:
+            done[pos] = recorded[indices[pos]]
+    return [pos for pos in todo if done[pos] is None]
+
+
+def _cancelled(done: list[dict | None], positions: list[int], why: str, backend: str,
+               attempt: int) -> list[dict]:
+    for pos in positions:
+        done[pos] = Outcome.failed(Cancelled(why), backend, attempt).to_dict()
+    return done  # type: ignore[return-value]
 
 
 def _requeued(app, queue: str, n: int) -> None:
@@ -471,6 +578,34 @@ def summary(backend: str, samples: list) -> dict[str, str]:
     return {"argsrepr": f"({backend!r}, <{len(samples)} samples>)", "kwargsrepr": "{}"}
 
 
+_keeper = liveness.HeldKeeper(liveness.HEARTBEAT_S)
+
+
+def _new_keeper() -> None:
+    global _keeper
+    _keeper = liveness.HeldKeeper(liveness.HEARTBEAT_S)  # the parent's thread is not in the child
+
+
+os.register_at_fork(after_in_child=_new_keeper)
+
+
+def _held_while_running(task: Callable) -> Callable:
+    """Run `task` with its `qrq:held:` key said again while it runs (see HeldKeeper)."""
+
+    @wraps(task)
+    def run(self, *args, **kwargs):
+        if self.app.qrq_config.embedded or not self.request.id:
+            return task(self, *args, **kwargs)
+        with _keeper.holding(self.app.store, self.request.id, self.request.hostname,
+                             liveness.HELD_TTL_S):
+            return task(self, *args, **kwargs)
+
+    return run
+
+
+_task_body = _held_while_running(score_chunk)  # one function for every app: no "duplicate"
+
+
 def register(app) -> None:
     """Register the qrq tasks on `app` (every QrqCelery does this once)."""
     # score_chunk bounds its own retries (attempts, siblings, deadline); max_retries only stops
@@ -482,4 +617,4 @@ def register(app) -> None:
         max_retries=MAX_TASK_RETRIES,
         default_retry_delay=2,
         resultrepr_maxsize=RESULT_REPR_CHARS,
-    )(score_chunk)
+    )(_task_body)

@@ -451,3 +451,40 @@ def test_api_key_env_must_look_like_a_variable_name(tmp_path):
     message = config_error(load_backend, path)
     assert "backend.api_key_env" in message
     assert secret not in message
+
+
+def test_every_problem_of_a_file_is_reported_at_once(tmp_path):
+    file = tmp_path / "j.toml"
+    file.write_text('[backend]\nkind = "judge"\nurl = "http://h/v1"\nmodel = "m"\ntimeout_s = "x"\n'
+                    '[limits]\nrpm = "fast"\nmax_concurrnt = 4\n[pool]\ncalls = 0\n')
+    with pytest.raises(ConfigError) as info:
+        load_backend(file)
+    message = str(info.value)
+    assert message.startswith(f"{file}: backend.timeout_s: expected a number, got 'x'; ")
+    for part in ("limits.rpm: expected a number, got 'fast'", "limits.max_concurrnt: unknown key",
+                 "pool.calls: expected an integer >= 1, got 0"):
+        assert part in message
+    assert message.count(str(file)) == 1 and "\n" not in message
+
+
+@pytest.mark.parametrize("tables, expected", [
+    ("[budget]\n", "budget: expected at least one of tokens_per_hour"),
+    ("[budget]\ncost_total = 5\n", "budget: a cost budget needs a [price] table"),
+    ("[budget]\ntokens_total = -1\n", "budget.tokens_total: expected a positive number"),
+    ("[price]\ninput_per_million = 1\nper_call = 2\n", "price.per_call"),
+])
+def test_price_and_budget_mistakes_name_file_and_key(tmp_path, tables, expected):
+    path = write_backend(tmp_path, "j", JUDGE + tables)
+    message = config_error(load_backend, path)
+    assert str(path) in message and expected in message, message
+
+
+def test_price_and_budget_load(tmp_path):
+    from qreward_queue.config import Budget, Price
+
+    backend = load_backend(write_backend(tmp_path, "j", JUDGE + (
+        "[price]\ninput_per_million = 0.15\noutput_per_million = 0.6\n"
+        "[budget]\ntokens_per_hour = 1000000\ncost_total = 25\n")))
+    assert backend.price == Price(0.15, 0.6)
+    assert backend.budget == Budget(tokens_per_hour=1e6, cost_total=25.0)
+    assert backend.budget.limits() == {"tokens_per_hour": 1e6, "cost_total": 25.0}

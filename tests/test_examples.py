@@ -1,21 +1,27 @@
-"""The examples run as a newcomer would run them: one per trainer, on the mock judge."""
+"""The examples run as a newcomer would run them: one per trainer, on the mock judge, with
+QRQ_REDIS_URL still exported from README's "Running workers" (here a closed port): an example
+says it runs embedded and does so, instead of waiting for a worker that will never come."""
 
 from __future__ import annotations
 
 import functools
 import json
+import os
 import subprocess
 import sys
 
 import pytest
-from support import ROOT
+from support import ROOT, free_port
 
 
 @functools.cache  # each example runs once per session; several tests read its output
 def run_example(name: str) -> list[dict]:
+    env = {**os.environ, "QRQ_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
     out = subprocess.run([sys.executable, f"examples/{name}.py"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)
+                         text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
+    assert f"{name}.py: runs embedded with its own mock judge (QRQ_REDIS_URL is ignored here)" \
+        in out.stderr.splitlines()
     return [json.loads(line) for line in out.stdout.splitlines()]
 
 

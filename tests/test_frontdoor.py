@@ -12,6 +12,7 @@ import sys
 import threading
 from pathlib import Path
 
+import click
 import pytest
 import redis
 import yaml
@@ -58,21 +59,33 @@ def test_packaged_defaults_are_the_repository_files():
         assert (packaged / "workers" / name).read_text() == (ROOT / "workers" / name).read_text()
 
 
-@pytest.mark.timeout(600)
-def test_wheel_in_a_fresh_virtualenv_runs_the_demo_from_any_directory(tmp_path):
-    dist = tmp_path / "dist"
+@pytest.fixture(scope="module")
+def wheel_venv(tmp_path_factory) -> Path:
+    """A fresh virtualenv holding the wheel and no extra (built once for this module)."""
+    tmp = tmp_path_factory.mktemp("wheel")
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dist), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp), str(ROOT)],
         check=True, capture_output=True, timeout=300,
     )
-    (wheel,) = dist.glob("qreward_queue-*.whl")
-    venv = tmp_path / "venv"
+    (wheel,) = tmp.glob("qreward_queue-*.whl")
+    venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     subprocess.run([venv / "bin" / "pip", "install", "-q", str(wheel)], check=True,
                    capture_output=True, timeout=400)
+    return venv
+
+
+def outside_env() -> dict:
+    """The environment without QRQ_* and PYTHON* variables (no path into the repository)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("QRQ_", "PYTHON"))}
+
+
+@pytest.mark.timeout(600)
+def test_wheel_in_a_fresh_virtualenv_runs_the_demo_from_any_directory(tmp_path, wheel_venv):
+    venv = wheel_venv
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("QRQ_", "PYTHON"))}
+    env = outside_env()
     run = subprocess.run([venv / "bin" / "qrq", "demo", "--prompts", "8"], cwd=elsewhere,
                          env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
@@ -85,6 +98,23 @@ def test_wheel_in_a_fresh_virtualenv_runs_the_demo_from_any_directory(tmp_path):
     version = subprocess.run([venv / "bin" / "qrq", "--version"], capture_output=True,
                              text=True, timeout=60, cwd=elsewhere)
     assert version.stdout.strip() == "qrq, version 0.1.0"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("command, module, extra", [
+    (["bin/qrq", "gateway", "--port", "0"], "aiohttp", "gateway"),
+    (["bin/python", "examples/verl_reward.py"], "numpy", "examples"),
+    (["bin/python", "examples/openrlhf_gateway.py"], "aiohttp", "gateway"),
+])
+def test_a_missing_extra_is_one_line_naming_it(wheel_venv, command, module, extra):
+    # The wheel alone has neither aiohttp nor numpy; the examples run from the repository
+    exe, *args = command
+    run = subprocess.run([wheel_venv / exe, *args], cwd=ROOT, env=outside_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode in (1, 2), run.stderr
+    line = error_line(run.stderr)
+    assert f"{module} is not installed: pip install 'qreward-queue[{extra}]'" in line
+    assert (f"examples/{Path(args[0]).name}" if "examples" in args[0] else "qrq gateway") in line
 
 
 def test_score_without_a_config_says_where_it_looked(tmp_path):
@@ -107,6 +137,84 @@ def test_redis_on_a_closed_port_is_one_line_without_the_password(tmp_path, comma
     line = error_line(result.stderr)
     assert "cannot reach Redis at redis://127.0.0.1:" in line and "QRQ_REDIS_URL" in line
     assert "s3cret-pw" not in result.stderr + result.stdout
+
+
+@pytest.mark.parametrize("events", [[], ["-E"]])  # Celery's banner says "enable -E"
+def test_worker_with_redis_unreachable_fails_at_start_in_one_line(tmp_path, events):
+    config = write_config(tmp_path, {"j": judge_backend("http://127.0.0.1:9")})
+    url = f"redis://:s3cret-pw@127.0.0.1:{free_port()}/0"
+    result = qrq("worker", str(tmp_path / "workers" / "j.toml"), *events, cwd=tmp_path,
+                 env={"QRQ_CONFIG": str(config), "QRQ_REDIS_URL": url}, timeout=60)
+    assert result.returncode == 2
+    line = error_line(result.stderr)
+    assert "cannot reach Redis at redis://127.0.0.1:" in line and "s3cret-pw" not in line
+    assert "celery@" not in result.stdout  # no banner: it never started
+
+
+def test_a_worker_is_not_stopped_by_a_typo_in_another_backend_file(tmp_path):
+    # Given a route over a and b, and a typo in a's file
+    config = write_config(tmp_path, {n: judge_backend("http://127.0.0.1:9") for n in "ab"},
+                          routes={"r": ["a", "b"]})
+    broken = tmp_path / "workers" / "a.toml"
+    broken.write_text(broken.read_text().replace("rpm = 0", "rpm = 'fast'"))
+    # When b's worker starts (against a closed Redis port, so it stops right after the checks)
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    result = qrq("worker", str(tmp_path / "workers" / "b.toml"), cwd=tmp_path,
+                 env={"QRQ_CONFIG": str(config), "QRQ_REDIS_URL": url}, timeout=60)
+    # Then a's problem is a warning and b's worker got as far as Redis
+    warning, error = result.stderr.strip().splitlines()
+    assert warning == (f"qrq: warning: {broken}: limits.rpm: expected a number, got 'fast' "
+                       "(left out of its routes here)")
+    assert error.startswith("qrq: error: cannot reach Redis")
+    # and b's own problems are errors, all of them in one line
+    own = tmp_path / "workers" / "b.toml"
+    own.write_text(own.read_text().replace("calls = 32", "calls = 0\ncolor = 1"))
+    result = qrq("worker", str(own), cwd=tmp_path,
+                 env={"QRQ_CONFIG": str(config), "QRQ_REDIS_URL": url}, timeout=60)
+    assert result.returncode == 2
+    assert error_line(result.stderr) == (f"qrq: error: {own}: pool.calls: expected an integer "
+                                         ">= 1, got 0; pool.color: unknown key (known: calls, "
+                                         "concurrency, max_memory_per_child_mb, "
+                                         "max_tasks_per_child, memory_limit_mb, rate_limit, type)")
+
+
+def test_python_api_without_a_config_says_no_config_was_found(tmp_path):
+    code = ("import qreward_queue as q\n"
+            "try:\n q.submit_batch([{'prompt': 'p', 'response': 'r'}], route='demo')\n"
+            "except q.QrqError as e:\n print(e)")
+    base = {k: v for k, v in os.environ.items() if not k.startswith("QRQ_")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=base,
+                         capture_output=True, text=True, timeout=60).stdout
+    assert "no qrq.toml found" in out and str(tmp_path / "qrq.toml") in out
+    assert "qreward_queue.configure(FILE)" in out and "QRQ_CONFIG" in out
+
+
+def test_every_option_says_what_it_does():
+    from qreward_queue.cli import cli
+
+    def options(command, path):
+        for name, sub in getattr(command, "commands", {}).items():
+            yield from options(sub, [*path, name])
+        for param in command.params:
+            if isinstance(param, click.Option):
+                yield " ".join(path), param
+    silent = [(cmd, p.opts) for cmd, p in options(cli, ["qrq"]) if not p.help]
+    assert silent == []
+    score_help = qrq("score", "--help", cwd=ROOT).stdout
+    assert '"prompt"' in score_help and '"response"' in score_help
+
+
+def test_a_batch_that_timed_out_with_no_worker_says_why_in_its_summary(tmp_path, redis_url):
+    config = write_config(tmp_path, {"j": judge_backend("http://127.0.0.1:9")},
+                          redis_url=redis_url, routes={"r": ["j"]})
+    (tmp_path / "in.jsonl").write_text(json.dumps({"prompt": "p", "response": "r"}) + "\n")
+    result = qrq("score", "in.jsonl", "--route", "r", "--deadline-s", "8", "-o", "out.jsonl",
+                 cwd=tmp_path, env={"QRQ_CONFIG": str(config)})
+    assert result.returncode == 3
+    summary = result.stderr.strip().splitlines()[-1]
+    assert summary.startswith("scored 1 timeout; 1 of 1 samples not scored")
+    assert "no live worker consumes queue qrq.j of backend 'j'" in summary
+    assert f"`qrq worker {tmp_path / 'workers' / 'j.toml'}`" in summary
 
 
 def test_redis_database_out_of_range_is_one_line(tmp_path):
@@ -288,3 +396,4 @@ def test_an_unset_api_key_fails_over_to_a_healthy_sibling(tmp_path, monkeypatch)
     # and alone, the same backend gives an error naming the variable, once per sample
     only = qreward_queue.submit_batch(samples[:2], route="keyless", app=app).outcomes(timeout=60)
     assert all(o.status == "error" and "QRQ_TEST_KEY_NOBODY_SET" in o.error for o in only)
+    assert all(o.attempts == 1 and "(no call made on 'keyless'" in o.error for o in only)

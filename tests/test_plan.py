@@ -15,6 +15,7 @@ import pytest
 from support import ROOT, function_backend, judge_backend, write_route_config
 
 import qreward_queue as qrq
+from qreward_queue.config import PACKAGED_CONFIG
 from qreward_queue.plan import Workload, plan_route, tokens_per_call
 
 URL = "http://127.0.0.1:9"
@@ -25,15 +26,28 @@ def config_with(tmp_path, backends: dict, routes: dict | None = None):
     return qrq.load_config(path), path
 
 
-def test_rpm_binds_a_fast_pool_and_the_full_bucket_starts_the_step(tmp_path):
+def test_rpm_binds_a_fast_pool(tmp_path):
     config, _ = config_with(tmp_path, {"ja": judge_backend(URL, rpm=3000, max_concurrent=64,
                                                            calls=32)})
     plan = plan_route(config, "ja", Workload(1024, latency_s=0.2, workers={"ja": 2}))
     (p,) = plan.backends
     assert p.binding == "rpm" and p.calls_per_s == 50
-    # 50 calls leave at once (one second of burst), the rest at 50/s, the last takes 0.2 s
-    assert plan.wall_s == pytest.approx((1024 - 50) / 50 + 0.2)
+    # every call at 50/s (a full bucket's burst is not promised), the last takes 0.2 s
+    assert plan.wall_s == pytest.approx(1024 / 50 + 0.2)
     assert p.rates["worker calls"] == 2 * 32 / 0.2 and p.rates["concurrency"] == 64 / 0.2
+
+
+@pytest.mark.parametrize("n", [64, 1024, 8192])
+@pytest.mark.parametrize("latency_ms", [5, 25, 200])
+def test_a_plan_never_promises_more_than_the_summed_limits(n, latency_ms):
+    # The demo's route: two judges of 6000 rpm; `qrq plan -n 1024 --latency-ms 25` once
+    # predicted 247 samples/s against their 200/s
+    config = qrq.load_config(PACKAGED_CONFIG)
+    plan = plan_route(config, "demo", Workload(n, latency_s=latency_ms / 1000))
+    limit_per_s = sum(config.backend(b).limits.rpm / 60 for b in ("mock-a", "mock-b"))
+    assert n / plan.wall_s <= limit_per_s
+    for p in plan.backends:
+        assert p.samples / p.wall_s <= p.rates["rpm"]
 
 
 def test_tpm_binds_long_samples_and_counts_the_template(tmp_path):
@@ -109,11 +123,11 @@ def test_qrq_plan_prints_the_table_and_json(tmp_path):
     out = plan("--route", "ja", "-n", "1024", "--latency-ms", "200", "--workers", "ja=2",
                "--target-s", "10")
     assert out.returncode == 0, out.stderr
-    assert "predicted wall time 19.7 s" in out.stdout
+    assert "predicted wall time 20.7 s" in out.stdout
     assert "target 10 s: misses it" in out.stdout and "rpm caps it" in out.stdout
     data = json.loads(plan("--route", "ja", "-n", "1024", "--latency-ms", "200",
                            "--workers", "ja=2", "--json").stdout)
-    assert data["backends"][0]["binding"] == "rpm" and data["wall_s"] == pytest.approx(19.68)
+    assert data["backends"][0]["binding"] == "rpm" and data["wall_s"] == pytest.approx(20.68)
     bad = plan("--route", "ja", "-n", "10", "--workers", "nope=2")
     assert bad.returncode == 2
     assert bad.stderr.strip() == ("qrq: error: --workers 'nope=2': expected BACKEND=N with a "

@@ -27,6 +27,7 @@ class Call:
     status_code: int | None = None
     headers: Mapping[str, str] | None = None
     details: list[str | None] = field(default_factory=list)
+    usage: tuple[int, int] | None = None  # tokens in and out, as the reply reported them
 
 
 class BackendClient(ABC):
@@ -44,10 +45,13 @@ class BackendClient(ABC):
     def batch(self) -> int:
         return 1
 
-    def estimate_tokens(self, samples: list[dict]) -> float:
-        """Tokens the call will cost before we know (prompt chars / 4 + output budget)."""
+    def estimate_usage(self, samples: list[dict]) -> tuple[float, float]:
+        """Tokens in and out the call will cost, before we know (chars / 4, output budget)."""
         chars = sum(len(s["prompt"]) + len(s["response"]) for s in samples)
-        return chars / 4 + self.config.max_tokens * len(samples)
+        return chars / 4, float(self.config.max_tokens * len(samples))
+
+    def estimate_tokens(self, samples: list[dict]) -> float:
+        return sum(self.estimate_usage(samples))
 
     @abstractmethod
     def call(self, samples: list[dict]) -> Call:
@@ -58,8 +62,25 @@ def usage_tokens(body: Any) -> int | None:
     """`usage.total_tokens` of a reply when it is a plausible count, else None (unknown)."""
     usage = body.get("usage") if isinstance(body, dict) else None
     tokens = usage.get("total_tokens") if isinstance(usage, dict) else None
-    plausible = isinstance(tokens, int) and not isinstance(tokens, bool)
-    return tokens if plausible and 0 <= tokens <= MAX_USAGE_TOKENS else None
+    return tokens if _plausible(tokens) else None
+
+
+def usage_split(body: Any) -> tuple[int, int] | None:
+    """`usage`'s (prompt_tokens, completion_tokens) when plausible; a reply giving only
+    `total_tokens` counts it as input; else None (unknown)."""
+    usage = body.get("usage") if isinstance(body, dict) else None
+    if not isinstance(usage, dict):
+        return None
+    counts = [usage.get(k) for k in ("prompt_tokens", "completion_tokens")]
+    if all(_plausible(c) for c in counts):
+        return counts[0], counts[1]
+    total = usage_tokens(body)
+    return None if total is None else (total, 0)
+
+
+def _plausible(tokens: Any) -> bool:
+    return isinstance(tokens, int) and not isinstance(tokens, bool) and \
+        0 <= tokens <= MAX_USAGE_TOKENS
 
 
 def checked_score(

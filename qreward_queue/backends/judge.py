@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from ..errors import PermanentError
-from .base import BackendClient, Call, checked_score, usage_tokens
+from .base import BackendClient, Call, checked_score, usage_split, usage_tokens
 from .http import post_json
 
 
@@ -38,9 +38,9 @@ class JudgeBackend(BackendClient):
             {"role": "user", "content": self.render(sample)}
         ]
 
-    def estimate_tokens(self, samples: list[dict]) -> float:
+    def estimate_usage(self, samples: list[dict]) -> tuple[float, float]:
         chars = sum(len(m["content"]) for s in samples for m in self.messages(s))
-        return chars / 4 + self.config.max_tokens * len(samples)
+        return chars / 4, float(self.config.max_tokens * len(samples))
 
     def call(self, samples: list[dict]) -> Call:
         (sample,) = samples
@@ -66,7 +66,8 @@ class JudgeBackend(BackendClient):
         if isinstance(score, PermanentError):
             raise PermanentError(str(score), score.detail, **facts)
         return Call(
-            [score], usage_tokens(reply.body), reply.status_code, reply.headers, [content[:500]]
+            [score], usage_tokens(reply.body), reply.status_code, reply.headers, [content[:500]],
+            usage_split(reply.body),
         )
 
     def parse_score(self, content: str) -> float | PermanentError:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..errors import PermanentError
-from .base import BackendClient, Call, checked_score, usage_tokens
+from .base import BackendClient, Call, checked_score, usage_split, usage_tokens
 from .http import post_json
 
 
@@ -15,8 +15,8 @@ class RewardModelBackend(BackendClient):
     def batch(self) -> int:
         return self.config.batch_size
 
-    def estimate_tokens(self, samples: list[dict]) -> float:
-        return sum(len(s["prompt"]) + len(s["response"]) for s in samples) / 4
+    def estimate_usage(self, samples: list[dict]) -> tuple[float, float]:
+        return sum(len(s["prompt"]) + len(s["response"]) for s in samples) / 4, 0.0
 
     def call(self, samples: list[dict]) -> Call:
         payload: dict = {
@@ -43,4 +43,5 @@ class RewardModelBackend(BackendClient):
             reply.status_code,
             reply.headers,
             [None] * len(samples),
+            usage_split(reply.body),
         )

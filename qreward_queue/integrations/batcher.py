@@ -5,7 +5,8 @@ submit_batch per sample would cost a Celery group and a result poll each; here c
 per (route, priority, deadline) and one flusher thread sends each queue as one batch when it
 holds `max_items` samples or its oldest sample has waited `max_wait_ms`. Outcomes come back
 through the process's aio poller, so callers on any event loop, or plain threads, hold no
-thread while they wait. Routes and priorities are never mixed in one batch.
+thread while they wait. Routes and priorities are never mixed in one batch. A batch whose
+callers have all been cancelled is cancelled too; while one of them still waits, it goes on.
 """
 
 from __future__ import annotations
@@ -143,10 +144,20 @@ class MicroBatcher:
                 _settle(future, exc)
             return
         self.batches_sent += 1
-        aio.watch(batch).add_done_callback(lambda done: _distribute(done, items))
+        watched = aio.watch(batch)
+        watched.add_done_callback(lambda done: _distribute(done, items))
+
+        def caller_gone(_: Future) -> None:  # the last caller gone: nobody waits any more
+            if all(f.cancelled() for _, f in items):
+                watched.cancel()
+
+        for _, future in items:
+            future.add_done_callback(caller_gone)
 
 
 def _distribute(done: Future, items: list[tuple[dict, Future]]) -> None:
+    if done.cancelled():  # every caller was cancelled: nobody to tell
+        return
     error = done.exception()
     outcomes = done.result() if error is None else [error] * len(items)
     for (_, future), outcome in zip(items, outcomes, strict=True):

@@ -1,0 +1,216 @@
+"""Spend: the tokens (and, with a `[price]`, the cost) of every backend call, summed per backend
+in Redis for `summary()`, `qrq status` and the exporter, and capped by an optional `[budget]`.
+
+After each call its usage (the reply's `usage`, or the estimate when it gave none, counted in
+`estimated`) is added to the backend's running total, the current UTC hour and the batch's
+own tally (`keys.spend`, `keys.batch_spend`); a process writes what it added every
+FLUSH_EVERY_S in one round trip. With a budget, each call first books its estimate in one
+atomic Lua step that refuses it (BudgetExceeded) when the booking would pass a cap: the call is
+never made. The booking is held in the hour's hash until the call's real usage replaces it.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from . import keys
+from .config import Backend, Budget
+from .errors import BudgetExceeded
+
+FIELDS = ("calls", "tokens_in", "tokens_out", "estimated", "cost_micro")
+FLUSH_EVERY_S = 0.1
+HOUR_KEEP_S = 2 * 3600
+BATCH_KEEP_S = 6 * 3600
+CAPS = ("tokens_per_hour", "tokens_total", "cost_per_hour", "cost_total")
+
+# KEYS: total, hour. ARGV: tokens, cost_micro, the four caps of CAPS ('' = none; cost ones in
+# micro units), the hour's TTL. Returns {} (booked) or {cap, used} (refused).
+_BOOK = """
+local function n(key, f) return tonumber(redis.call('HGET', key, f) or '0') end
+local held_t, held_c = n(KEYS[2], 'held_tokens'), n(KEYS[2], 'held_cost_micro')
+local used = {
+  n(KEYS[2], 'tokens_in') + n(KEYS[2], 'tokens_out') + held_t,
+  n(KEYS[1], 'tokens_in') + n(KEYS[1], 'tokens_out') + held_t,
+  n(KEYS[2], 'cost_micro') + held_c,
+  n(KEYS[1], 'cost_micro') + held_c,
+}
+for i = 1, 4 do
+  local cap = ARGV[2 + i]
+  if cap ~= '' then
+    local want = tonumber(ARGV[i <= 2 and 1 or 2])
+    if used[i] + want > tonumber(cap) then return {i, tostring(used[i])} end
+  end
+end
+redis.call('HINCRBY', KEYS[2], 'held_tokens', ARGV[1])
+redis.call('HINCRBY', KEYS[2], 'held_cost_micro', ARGV[2])
+redis.call('EXPIRE', KEYS[2], ARGV[7])
+return {}
+"""
+
+
+def hour_now() -> int:
+    return int(time.time() // 3600)
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Tokens one call cost; `estimated` when the reply did not say."""
+
+    tokens_in: int
+    tokens_out: int
+    estimated: bool = False
+
+    def cost_micro(self, backend: Backend) -> int:
+        price = backend.price
+        if price is None:
+            return 0
+        return round(self.tokens_in * price.input_per_million
+                     + self.tokens_out * price.output_per_million)
+
+    @classmethod
+    def estimate(cls, tokens_in: float, tokens_out: float) -> Usage:
+        return cls(math.ceil(tokens_in), math.ceil(tokens_out), estimated=True)
+
+
+@dataclass(frozen=True)
+class Booking:
+    """What a call booked against its backend's budget, in which hour's hash."""
+
+    hour: int
+    tokens: int
+    cost_micro: int
+
+
+class Ledger:
+    """One backend's spend as this process's calls add to it (thread-safe)."""
+
+    def __init__(self, store: redis.Redis, backend: Backend):
+        self.store, self.backend = store, backend
+        self._book = store.register_script(_BOOK) if backend.budget else None
+        self._lock = threading.Lock()
+        self._tally: dict[tuple[int, str | None], list[int]] = {}  # (hour, batch) -> FIELDS
+        self._held: dict[int, list[int]] = {}  # hour -> bookings to give back (tokens, cost)
+        self._last = time.monotonic()
+
+    def book(self, estimate: Usage) -> Booking | None:
+        """Book a call's estimate against the budget; BudgetExceeded (naming the cap) when it
+        would pass one. None without a budget."""
+        budget = self.backend.budget
+        if self._book is None or budget is None:
+            return None
+        hour, cost = hour_now(), estimate.cost_micro(self.backend)
+        tokens = estimate.tokens_in + estimate.tokens_out
+        caps = [_cap_arg(budget, name) for name in CAPS]
+        refused = self._book(keys=[keys.spend(self.backend.name), keys.spend(self.backend.name,
+                                                                              hour)],
+                             args=[tokens, cost, *caps, HOUR_KEEP_S])
+        if refused:
+            name = CAPS[int(refused[0]) - 1]
+            raise BudgetExceeded(self.backend.name, name, getattr(budget, name),
+                                 _shown(name, float(refused[1])),
+                                 _shown(name, cost if name.startswith("cost") else tokens))
+        return Booking(hour, tokens, cost)
+
+    def spent(self, usage: Usage, booking: Booking | None, batch_id: str | None) -> None:
+        """Add one call's usage (and give back its booking); written within FLUSH_EVERY_S."""
+        values = (1, usage.tokens_in, usage.tokens_out, int(usage.estimated),
+                  usage.cost_micro(self.backend))
+        with self._lock:
+            tally = self._tally.setdefault((hour_now(), batch_id), [0] * len(FIELDS))
+            for k, value in enumerate(values):
+                tally[k] += value
+            if booking is not None:
+                held = self._held.setdefault(booking.hour, [0, 0])
+                held[0] += booking.tokens
+                held[1] += booking.cost_micro
+        if time.monotonic() - self._last >= FLUSH_EVERY_S:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write what was added (one round trip); kept for the next flush if Redis is away."""
+        with self._lock:
+            tally, held, self._tally, self._held = self._tally, self._held, {}, {}
+            self._last = time.monotonic()
+        if not tally and not held:
+            return
+        name = self.backend.name
+        try:
+            with self.store.pipeline(transaction=False) as pipe:
+                for (hour, batch_id), values in tally.items():
+                    targets = [(keys.spend(name), ""), (keys.spend(name, hour), "")]
+                    if batch_id is not None:
+                        targets.append((keys.batch_spend(batch_id), f"{name}:"))
+                    for key, prefix in targets:
+                        for field, value in zip(FIELDS, values, strict=True):
+                            if value:
+                                pipe.hincrby(key, prefix + field, value)
+                    pipe.expire(keys.spend(name, hour), HOUR_KEEP_S)
+                    if batch_id is not None:
+                        pipe.expire(keys.batch_spend(batch_id), BATCH_KEEP_S)
+                for hour, (tokens, cost) in held.items():  # the bookings these calls held
+                    pipe.hincrby(keys.spend(name, hour), "held_tokens", -tokens)
+                    pipe.hincrby(keys.spend(name, hour), "held_cost_micro", -cost)
+                pipe.execute()
+        except (redis.RedisError, OSError):
+            with self._lock:
+                for key, values in tally.items():
+                    mine = self._tally.setdefault(key, [0] * len(FIELDS))
+                    for k, value in enumerate(values):
+                        mine[k] += value
+                for hour, (tokens, cost) in held.items():
+                    mine = self._held.setdefault(hour, [0, 0])
+                    mine[0] += tokens
+                    mine[1] += cost
+
+
+def _cap_arg(budget: Budget, name: str) -> str:
+    value = getattr(budget, name)
+    if value is None:
+        return ""
+    return str(int(value * 1_000_000)) if name.startswith("cost") else str(int(value))
+
+
+def _shown(name: str, value: float) -> float:
+    """A Lua-side figure in the cap's own unit (cost caps are held in micro units)."""
+    return value / 1_000_000 if name.startswith("cost") else value
+
+
+def _figures(raw: dict[bytes, bytes]) -> dict[str, Any]:
+    got = {k.decode(): int(v) for k, v in raw.items()}
+    return {"calls": got.get("calls", 0), "tokens_in": got.get("tokens_in", 0),
+            "tokens_out": got.get("tokens_out", 0), "estimated_calls": got.get("estimated", 0),
+            "cost": got.get("cost_micro", 0) / 1_000_000}
+
+
+def backend_spend(store: redis.Redis, backend: Backend) -> dict[str, Any]:
+    """A backend's spend in total and this hour, and each budget cap's use and what is left."""
+    total_raw, hour_raw = (store.hgetall(keys.spend(backend.name)),
+                           store.hgetall(keys.spend(backend.name, hour_now())))
+    total, hour = _figures(total_raw), _figures(hour_raw)
+    held = {k.decode(): int(v) for k, v in hour_raw.items() if k.startswith(b"held_")}
+    held_t, held_c = held.get("held_tokens", 0), held.get("held_cost_micro", 0) / 1_000_000
+    used = {
+        "tokens_per_hour": hour["tokens_in"] + hour["tokens_out"] + held_t,
+        "tokens_total": total["tokens_in"] + total["tokens_out"] + held_t,
+        "cost_per_hour": hour["cost"] + held_c,
+        "cost_total": total["cost"] + held_c,
+    }
+    caps = backend.budget.limits() if backend.budget else {}
+    budgets = {name: {"limit": cap, "used": round(used[name], 6),
+                      "left": round(max(0.0, cap - used[name]), 6)} for name, cap in caps.items()}
+    return {"total": total, "this_hour": hour, "budgets": budgets}
+
+
+def batch_spend(store: redis.Redis, batch_id: str) -> dict[str, dict[str, Any]]:
+    """One batch's spend per backend (calls, tokens_in, tokens_out, estimated_calls, cost)."""
+    by_backend: dict[str, dict[bytes, bytes]] = {}
+    for key, value in store.hgetall(keys.batch_spend(batch_id)).items():
+        backend, _, field = key.decode().rpartition(":")
+        by_backend.setdefault(backend, {})[field.encode()] = value
+    return {backend: _figures(raw) for backend, raw in sorted(by_backend.items())}
