@@ -10,7 +10,7 @@ redis_up() { (exec 3<>/dev/tcp/127.0.0.1/6379 && printf 'PING\r\n' >&3 && head -
 # tests), chromium (Flower in a real browser), tmux (`qrq status --watch` as seen in a
 # terminal), bubblewrap (the code-execution sandbox)
 missing=()
-for pair in redis-server:redis-server chromium:chromium tmux:tmux bwrap:bubblewrap; do
+for pair in redis-server:redis-server redis-sentinel:redis-sentinel chromium:chromium tmux:tmux bwrap:bubblewrap; do
   command -v "${pair%%:*}" >/dev/null || missing+=("${pair##*:}")
 done
 if [ ${#missing[@]} -gt 0 ]; then

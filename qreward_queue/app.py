@@ -15,11 +15,11 @@ from functools import cached_property
 import redis
 from celery import Celery
 from celery.backends.cache import CacheBackend
-from celery.backends.redis import RedisBackend
+from celery.backends.redis import RedisBackend, SentinelBackend
 from celery.signals import task_received, worker_ready
 from kombu import Queue
 
-from . import keys, kombu_fix, liveness, tasks
+from . import keys, kombu_fix, liveness, redis_conn, tasks
 from .breaker import CircuitBreaker
 from .config import Backend, Config
 from .lease import BatchWatch
@@ -56,8 +56,8 @@ class QrqCelery(Celery):
             import fakeredis
 
             return fakeredis.FakeRedis(server=fakeredis.FakeServer())
-        return redis.Redis.from_url(
-            self.qrq_config.redis_url,
+        return redis_conn.connect(
+            self.qrq_config,
             socket_timeout=REDIS_READ_TIMEOUT_S,
             socket_connect_timeout=5,
             health_check_interval=30,
@@ -157,10 +157,7 @@ def celery_settings(config: Config) -> dict:
         )
     else:
         settings.update(
-            broker_url=config.redis_url,
-            result_backend=f"qreward_queue.app:QrqRedisBackend+{config.redis_url}",
-            broker_transport_options=transport,
-            result_backend_transport_options={"global_keyprefix": keys.PREFIX},
+            **redis_conn.celery_settings(config, transport, {"global_keyprefix": keys.PREFIX}),
             redis_backend_health_check_interval=30,
             # a result read never hangs on a dead (or frozen) Redis: the client's deadline
             # holds to within this
@@ -194,6 +191,10 @@ class QrqRedisBackend(_NoRetryState, RedisBackend):
     def forget_many(self, task_ids: list[str]) -> None:
         """Drop results the client has read (one DEL; `result_expires` stays the safety net)."""
         self.client.delete(*(self.get_key_for_task(t) for t in task_ids))
+
+
+class QrqSentinelBackend(QrqRedisBackend, SentinelBackend):
+    """The same result store on the current primary of a Sentinel group."""
 
 
 class QrqCacheBackend(_NoRetryState, CacheBackend):

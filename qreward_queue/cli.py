@@ -392,14 +392,13 @@ def exporter(config_path: str | None, port: int, host: str) -> None:
 @click.option("--limit", default=20, show_default=True, help="How many, newest first.")
 def dead_letters(config_path: str | None, limit: int) -> None:
     """Malformed task messages the workers refused, one JSON line each (newest first)."""
-    import redis
-
     from .dead_letter import read
+    from .redis_conn import connect
 
     config = load_config(config_path)
     if config.embedded:
         raise ConfigError("qrq dead-letters needs Redis: set QRQ_REDIS_URL or [redis] url")
-    for entry in read(redis.Redis.from_url(config.redis_url), limit):
+    for entry in read(connect(config), limit):
         click.echo(json.dumps(entry))
 
 

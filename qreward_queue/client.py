@@ -22,11 +22,11 @@ import kombu.exceptions
 import redis
 from celery.states import READY_STATES
 
-from . import keys, lease, metrics, records, redis_wait, spend
+from . import keys, lease, metrics, records, redis_conn, redis_wait, spend
 from .app import HEARTBEAT_S, PRIORITIES, REDIS_READ_TIMEOUT_S, QrqCelery
 from .cache import ScoreCache, content_key, reward_identity
 from .capacity import count_queued, queue_depth, route_shares
-from .config import Route, redact_url
+from .config import Route
 from .errors import Cancelled, DeadlineExceeded, RedisUnreachable, ScoringError
 from .liveness import NoWorkerWatch
 from .routing import Chunk, plan
@@ -89,7 +89,7 @@ class RewardBatch:
         self._no_worker = NoWorkerWatch(app)
         self._look: Future | None = None  # the poll's read of Redis still in flight
         self._look_since = time.time()  # and when it began
-        self._outage = redis_wait.Outage(redact_url(app.qrq_config.redis_url or ""))
+        self._outage = redis_wait.Outage(redis_conn.describe(app.qrq_config))
         self.resubmitted = 0
         self._started, self._finished = time.monotonic(), None
 

@@ -226,6 +226,9 @@ class Config:
     visibility_timeout_s: int = 900
     lease_s: float = 15.0  # workers stop calling for a batch this long after its client died
     source: str = "<memory>"
+    redis_service_name: str | None = None  # the Sentinel service (master name)
+    redis_password_env: str | None = None
+    sentinel_password_env: str | None = None
 
     @property
     def embedded(self) -> bool:
@@ -570,6 +573,50 @@ def _routes(t: _Table, backends: dict[str, Backend], broken: Collection[str] = (
     return routes
 
 
+def _redis_settings(t: _Table, env_url: str | None) -> tuple[str | None, dict]:
+    """[redis]: `url`, or `sentinels` + `service_name` (+ `db`); password env var names.
+
+    QRQ_REDIS_URL replaces `url`/`sentinels`; a `sentinel://` one takes the service name from
+    `service_name` or QRQ_REDIS_SERVICE_NAME."""
+    from .redis_conn import is_sentinel, sentinel_addresses, sentinel_url
+
+    url = t.get("url", str, None, expected="a redis://, rediss:// or sentinel:// URL")
+    sentinels = t.get("sentinels", list, None, expected='a list of "host:port" strings')
+    if url is not None and sentinels is not None:
+        raise ConfigError(f"{t.where('sentinels')}: give either url or sentinels, not both")
+    if sentinels is not None:
+        if not sentinels or not all(isinstance(a, str) and a.strip() for a in sentinels):
+            raise t.fail("sentinels", 'a non-empty list of "host:port" strings')
+        url = sentinel_url([a.strip() for a in sentinels], t.integer("db", 0, minimum=0))
+    where = "QRQ_REDIS_URL" if env_url else t.where("sentinels" if sentinels else "url")
+    url = env_url or url
+    service = t.get("service_name", str, None, expected="the Sentinel service (master) name")
+    target = {
+        "redis_service_name": os.environ.get("QRQ_REDIS_SERVICE_NAME") or service,
+        "redis_password_env": t.get("password_env", str, None),
+        "sentinel_password_env": t.get("sentinel_password_env", str, None),
+    }
+    if url is None:
+        return None, target
+    if is_sentinel(url):
+        try:
+            sentinel_addresses(url)
+        except ValueError as exc:
+            raise ConfigError(
+                f"{where}: {exc} (expected sentinel://h1:26379;sentinel://h2:26379/0)"
+            ) from None
+        if not target["redis_service_name"]:
+            raise ConfigError(
+                f"{where} names sentinels but no service: set [redis] service_name "
+                "(the sentinels' master name) or QRQ_REDIS_SERVICE_NAME"
+            )
+    elif not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigError(
+            f"{where}: expected a redis://, rediss:// or sentinel:// URL, got {url!r}"
+        )
+    return url, target
+
+
 _FROM_PYTHON = "call qreward_queue.configure(FILE) or set QRQ_CONFIG=FILE"
 
 
@@ -602,18 +649,13 @@ def load_config(
     path = path or find_config()
     env_url = os.environ.get("QRQ_REDIS_URL") or None
     if path is None:
-        return Config(redis_url=env_url, backends={}, routes={})
+        url, target = _redis_settings(_Table({}, "environment", "redis"), env_url)
+        return Config(redis_url=url, backends={}, routes={}, **target)
     path = Path(path)
     root = _Table(_read_toml(path), str(path), "")
     redis_t = root.table("redis")
-    url = redis_t.get("url", str, None, expected="a redis:// or rediss:// URL")
+    url, target = _redis_settings(redis_t, env_url)
     redis_t.finish()
-    url = env_url or url
-    if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ConfigError(
-            f"{'QRQ_REDIS_URL' if env_url else f'{path}: redis.url'}: "
-            f"expected a redis:// or rediss:// URL, got {url!r}"
-        )
     d = root.table("defaults")
     workers_dir = path.parent / root.get("workers_dir", str, "workers")
     if not workers_dir.is_dir():
@@ -647,6 +689,7 @@ def load_config(
         visibility_timeout_s=d.integer("visibility_timeout_s", 900),
         lease_s=d.number("lease_s", 15.0),
         source=str(path),
+        **target,
     )
     d.finish()
     root.finish()

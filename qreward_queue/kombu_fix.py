@@ -13,8 +13,11 @@ run in two with three workers and three Redis restarts.
 The fix: remember the connection parameters while the kombu Connection is open and reuse them
 once it is gone, so the restore (and late acks of tasks still running) reach Redis as kombu
 intends; with nothing remembered, raise a redis ConnectionError, which kombu and Celery
-already treat as "broker unavailable, reconnect". Applied to kombu's Redis Channel class once
-per process by `install()`; harmless where the bug does not trigger.
+already treat as "broker unavailable, reconnect". With a `sentinel://` URL the same close
+first builds its pool from `connection.client.alt`, the sentinel list: the pool built while
+the Connection was open is reused (it asks the sentinels for the current primary on each new
+connection). Applied to kombu's Redis channel classes once per process by `install()`;
+harmless where the bug does not trigger.
 """
 
 from __future__ import annotations
@@ -28,22 +31,33 @@ _MARK = "_qrq_keeps_connparams"
 
 
 def install() -> None:
-    """Patch `kombu.transport.redis.Channel._connparams` (idempotent; a kombu without that
-    method has changed this code path, so there is nothing to patch)."""
-    channel = kombu_redis.Channel
-    original = getattr(channel, "_connparams", None)
+    """Patch `kombu.transport.redis.Channel._connparams` and, for Sentinel URLs,
+    `SentinelChannel._sentinel_managed_pool` (which reads `connection.client.alt`, the
+    sentinel list, in the same half-closed state) to reuse what they built while the kombu
+    Connection was open (idempotent; a kombu without those methods has changed this code
+    path, so there is nothing to patch)."""
+    _remember(kombu_redis.Channel, "_connparams", dict)
+    _remember(getattr(kombu_redis, "SentinelChannel", None), "_sentinel_managed_pool", None)
+
+
+def _remember(channel, method: str, copy) -> None:
+    """Wrap `channel.method(asynchronous)` to keep its last result per `asynchronous` and
+    return that (or `copy` of it) once the kombu Connection's client is gone."""
+    original = getattr(channel, method, None)
     if original is None or getattr(original, _MARK, False):
         return
+    store = f"_qrq_{method.strip('_')}"
 
     @functools.wraps(original)
-    def _connparams(self, asynchronous: bool = False) -> dict:
-        remembered = self.__dict__.setdefault("_qrq_connparams", {})
+    def remembering(self, asynchronous: bool = False):
+        remembered = self.__dict__.setdefault(store, {})
         if self.connection.client is not None:
-            remembered[asynchronous] = params = original(self, asynchronous=asynchronous)
-            return dict(params)
-        if asynchronous in remembered:
-            return dict(remembered[asynchronous])
-        raise redis.ConnectionError("the broker connection was closed before this channel")
+            remembered[asynchronous] = value = original(self, asynchronous=asynchronous)
+        elif asynchronous in remembered:
+            value = remembered[asynchronous]
+        else:
+            raise redis.ConnectionError("the broker connection was closed before this channel")
+        return copy(value) if copy else value
 
-    setattr(_connparams, _MARK, True)
-    channel._connparams = _connparams
+    setattr(remembering, _MARK, True)
+    setattr(channel, method, remembering)

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import redis
 
+from . import redis_conn
 from .app import EmbeddedWorker, QrqCelery
-from .config import Config, load_config, redact_url
+from .config import Config, load_config
 from .errors import RedisUnreachable
 
 _lock = threading.Lock()
@@ -56,12 +57,16 @@ def describe_mode(config: Config) -> str:
             "qrq: embedded mode (in-memory broker, in-process workers; "
             "set QRQ_REDIS_URL for distributed mode)"
         )
-    return f"qrq: distributed mode (Redis at {redact_url(config.redis_url)})"
+    return f"qrq: distributed mode (Redis at {redis_conn.describe(config)})"
 
 
 def redis_problem(config: Config, exc: Exception) -> str:
     """One line saying what went wrong with Redis and what to check."""
-    where, why = redact_url(config.redis_url or ""), str(exc).strip() or type(exc).__name__
+    if redis_conn.is_sentinel(config.redis_url):
+        problem = redis_conn.sentinel_problem(config)
+        if problem:
+            return problem
+    where, why = redis_conn.describe(config), str(exc).strip() or type(exc).__name__
     if "DB index is out of range" in why:
         return (
             f"Redis at {where} has no such database ({why}): use a database number below the "
@@ -82,7 +87,7 @@ def check_redis(config: Config) -> None:
     """Fail fast, in one line, when distributed mode cannot reach (or select) its database."""
     if config.embedded:
         return
-    client = redis.Redis.from_url(config.redis_url, socket_connect_timeout=3, socket_timeout=5)
+    client = redis_conn.connect(config, socket_connect_timeout=3, socket_timeout=5)
     try:
         client.ping()
     except redis.RedisError as exc:

@@ -333,6 +333,25 @@ def expected(app, backend: str, sample: dict) -> float:
     return verdict(JudgeBackend(app.backend_config(backend)).render(sample))
 
 
+def close_half_closed_channel(url: str, queue_name: str, **transport_options) -> None:
+    """Leave one unacknowledged message in a kombu channel, put the channel in the state a
+    lost Redis leaves it in when Celery's Connection.collect() is cut short (pools dropped,
+    the transport's client gone, the channel not yet closed), then close it (see kombu_fix)."""
+    from kombu import Connection, Queue
+
+    import qreward_queue.app  # noqa: F401  (installs kombu_fix, as every qrq process does)
+
+    with Connection(url, transport_options=transport_options) as conn:
+        channel = conn.default_channel
+        queue = Queue(queue_name, routing_key=queue_name)(channel)
+        queue.declare()
+        conn.Producer(channel).publish({"n": 1}, routing_key=queue_name, serializer="json")
+        assert queue.get(no_ack=False).payload == {"n": 1}
+        channel._disconnect_pools()
+        conn.transport.client = None
+        channel.close()
+
+
 class PrivateRedis:
     """`redis-server` on its own port, without RDB or AOF: a restart loses everything."""
 

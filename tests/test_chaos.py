@@ -17,6 +17,7 @@ from click.testing import CliRunner
 from faults import FAULTS, SAMPLES, run_fault
 from support import (
     PrivateRedis,
+    close_half_closed_channel,
     expected,
     judge_backend,
     redis_contents,
@@ -47,21 +48,9 @@ def assert_all_right(app, backend: str, samples: list[dict], outcomes) -> None:
 def test_a_channel_closed_after_kombu_dropped_its_client_still_restores_unacked(redis_url):
     # Given a kombu Redis channel holding one unacknowledged message (as a worker does), in
     # the state a Redis restart leaves it in when Celery's Connection.collect() is cut short:
-    # the pools dropped and the transport's client gone, the channel itself not yet closed
-    from kombu import Connection, Queue
-
-    import qreward_queue.app  # noqa: F401  (installs kombu_fix, as every qrq process does)
-
-    with Connection(redis_url) as conn:
-        channel = conn.default_channel
-        queue = Queue("chaos.kombu", routing_key="chaos.kombu")(channel)
-        queue.declare()
-        conn.Producer(channel).publish({"n": 1}, routing_key="chaos.kombu", serializer="json")
-        assert queue.get(no_ack=False).payload == {"n": 1}
-        channel._disconnect_pools()
-        conn.transport.client = None
-        # When the channel closes (kombu 5.7.0 alone: AttributeError ... 'hostname')
-        channel.close()
+    # the pools dropped and the transport's client gone, the channel itself not yet closed;
+    # When the channel closes (kombu 5.7.0 alone: AttributeError ... 'hostname')
+    close_half_closed_channel(redis_url, "chaos.kombu")
     # Then the unacked message is back on its queue, for the next worker
     assert redis.Redis.from_url(redis_url).llen("chaos.kombu") == 1
 

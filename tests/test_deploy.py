@@ -248,3 +248,75 @@ def test_k8s_redis_keeps_an_aof_and_needs_a_password():
     (container,) = statefulset["spec"]["template"]["spec"]["containers"]
     assert '--requirepass "$REDIS_PASSWORD"' in container["command"][-1]
     assert statefulset["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+
+
+COMPOSE_IMAGE = "qreward-queue:latest"
+SENTINEL_VARIANT = yaml.safe_load((ROOT / "deploy" / "compose.sentinel.yml").read_text())
+
+
+def test_the_sentinel_variant_points_every_qrq_service_at_the_sentinels():
+    qrq_services = {s for s, spec in SERVICES.items() if spec.get("image") == COMPOSE_IMAGE}
+    variant = SENTINEL_VARIANT["services"]
+    assert qrq_services <= set(variant)
+    for service in qrq_services:
+        env = variant[service]["environment"]
+        assert env["QRQ_REDIS_URL"].count("sentinel://") == 3, service
+        assert env["QRQ_REDIS_SERVICE_NAME"] == "qrq"
+    conf = (ROOT / "deploy" / "sentinel.conf").read_text()
+    assert "sentinel monitor qrq redis 6379 2" in conf
+
+
+def test_the_sentinel_variant_commands_run_and_qrq_finds_the_primary(tmp_path):
+    # Given the variant's primary, replica and sentinel commands, run here on free ports
+    # (compose's hostnames made local)
+    import redis
+
+    variant, env = SENTINEL_VARIANT["services"], {**os.environ, "REDIS_PASSWORD": "s3cret"}
+    ports = {"redis": free_port(), "redis-replica": free_port(), "sentinel": free_port()}
+    procs = []
+
+    def local(cmd: str, port: int) -> list[str]:
+        cmd = (cmd.replace("${REDIS_PASSWORD:?set REDIS_PASSWORD}", "s3cret")
+               .replace("/etc/redis/redis.conf", str(ROOT / "deploy" / "redis.conf"))
+               .replace("--replicaof redis 6379", f"--replicaof 127.0.0.1 {ports['redis']}"))
+        where = ["--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path / str(port))]
+        return [*shlex.split(cmd), *where]
+
+    def answers(port: int, **auth) -> bool:
+        try:
+            return redis.Redis(port=port, socket_connect_timeout=0.5, **auth).ping()
+        except redis.RedisError:
+            return False
+
+    conf = tmp_path / "sentinel.conf"
+    conf.write_text((ROOT / "deploy" / "sentinel.conf").read_text()
+                    .replace("port 26379", f"port {ports['sentinel']}\nbind 127.0.0.1")
+                    .replace("qrq redis 6379 2", f"qrq 127.0.0.1 {ports['redis']} 1"))
+    sentinel_cmd = (variant["sentinel-1"]["command"].replace("$$", "$")
+                    .replace("/etc/redis/sentinel.conf", str(conf))
+                    .replace("/tmp/sentinel.conf", str(tmp_path / "running.conf")))
+    try:
+        for name in ("redis", "redis-replica"):
+            (tmp_path / str(ports[name])).mkdir()
+            procs.append(run_until(local(variant[name]["command"], ports[name]),
+                                   lambda p=ports[name]: answers(p, password="s3cret"), env))
+        procs.append(run_until(shlex.split(sentinel_cmd), lambda: answers(ports["sentinel"]),
+                               env))
+        # When qrq status runs with the variant's QRQ_REDIS_URL
+        url = variant["worker-mock-a"]["environment"]["QRQ_REDIS_URL"]
+        url = ";".join(u.replace("${REDIS_PASSWORD:?set REDIS_PASSWORD}", "s3cret")
+                       .replace("sentinel-1:26379", f"127.0.0.1:{ports['sentinel']}")
+                       for u in url.split(";")[:1])
+        out = subprocess.run(
+            [sys.executable, "-m", "qreward_queue.cli", "status"], cwd=ROOT, timeout=60,
+            capture_output=True, text=True,
+            env={**env, "QRQ_REDIS_URL": url, "QRQ_CONFIG": str(ROOT / "qrq.toml"),
+                 "QRQ_REDIS_SERVICE_NAME": "qrq"},
+        )
+        # Then it reaches the primary through the sentinel, with the password from the URL
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "service 'qrq' via sentinels 127.0.0.1:" in out.stdout
+        assert "s3cret" not in out.stdout + out.stderr
+    finally:
+        for proc in procs:
+            stop(proc)

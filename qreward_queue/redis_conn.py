@@ -1,0 +1,173 @@
+"""Where qrq's Redis configuration becomes connections: a plain URL or a Sentinel group.
+
+Every Redis user (Celery's broker and result backend, the limiter, cache, liveness, breaker,
+dead letters, the client's polls, `qrq status`, the exporter) connects through here, so a
+Sentinel deployment follows a failover everywhere at once: each connection asks the
+sentinels for the current primary when it (re)connects, and a primary demoted to replica is
+dropped on its first READONLY reply (redis-py's `SentinelManagedConnection`).
+
+The URL form is Celery's: `sentinel://[:pw@]h1:26379;sentinel://h2:26379/0`, the service
+(master) name coming from `[redis] service_name` or `QRQ_REDIS_SERVICE_NAME`, as Celery takes
+it from the `master_name` transport option.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+from urllib.parse import quote, urlsplit
+
+import redis
+from redis.sentinel import Sentinel
+
+if TYPE_CHECKING:
+    from .config import Config
+
+SCHEME = "sentinel"
+SEPARATOR = ";"  # between the sentinels of one URL, as kombu and Celery split it
+DEFAULT_SENTINEL_PORT = 26379
+SERVICE_ENV = "QRQ_REDIS_SERVICE_NAME"
+SENTINEL_TIMEOUT_S = 2.0  # one sentinel's answer; the next one is asked after this
+
+
+def is_sentinel(url: str | None) -> bool:
+    return bool(url) and url.startswith(f"{SCHEME}://")
+
+
+def sentinel_url(addresses: Sequence[str], db: int = 0) -> str:
+    """Celery's URL for `["host:port", ...]` (the form `[redis] sentinels` takes)."""
+    return SEPARATOR.join(f"{SCHEME}://{a}/{db}" for a in addresses)
+
+
+def sentinel_addresses(url: str) -> list[tuple[str, int]]:
+    """(host, port) of every sentinel in a `sentinel://...;sentinel://.../db` URL."""
+    out = []
+    for chunk in url.split(SEPARATOR):
+        parts = urlsplit(chunk.strip())
+        if parts.scheme != SCHEME or not parts.hostname:
+            raise ValueError(f"{chunk!r} is not sentinel://host[:port]")
+        out.append((parts.hostname, parts.port or DEFAULT_SENTINEL_PORT))
+    return out
+
+
+def sentinel_db(url: str) -> int:
+    """The database number: the first path in the URL (Celery's docs write it on every
+    sentinel, `sentinel://h1:26379/0;sentinel://h2:26379/0`, and also show it on the last)."""
+    for chunk in url.split(SEPARATOR):
+        path = urlsplit(chunk.strip()).path.strip("/")
+        if path:
+            return int(path)
+    return 0
+
+
+def _env(name: str | None) -> str | None:
+    return os.environ.get(name) or None if name else None
+
+
+def _with_password(url: str, password: str | None) -> str:
+    """`url` with `password` in every `;` part lacking one (Celery takes it only there)."""
+    if not password:
+        return url
+    chunks = []
+    for chunk in url.split(SEPARATOR):
+        parts = urlsplit(chunk)
+        if parts.password is None and parts.hostname:
+            host = parts.netloc.rpartition("@")[2]
+            netloc = f"{quote(parts.username or '', safe='')}:{quote(password, safe='')}@{host}"
+            chunk = parts._replace(netloc=netloc).geturl()
+        chunks.append(chunk)
+    return SEPARATOR.join(chunks)
+
+
+def _sentinel_kwargs(config: Config) -> dict:
+    kwargs = {"socket_timeout": SENTINEL_TIMEOUT_S, "socket_connect_timeout": SENTINEL_TIMEOUT_S}
+    password = _env(config.sentinel_password_env)
+    if password:
+        kwargs["password"] = password
+    return kwargs
+
+
+def _sentinel(config: Config, **connection) -> Sentinel:
+    first = urlsplit(config.redis_url.split(SEPARATOR)[0])  # where Celery reads them too
+    if first.username:
+        connection["username"] = first.username
+    password = _env(config.redis_password_env) or first.password
+    if password:
+        connection["password"] = password
+    return Sentinel(
+        sentinel_addresses(config.redis_url),
+        sentinel_kwargs=_sentinel_kwargs(config),
+        db=sentinel_db(config.redis_url),
+        **connection,
+    )
+
+
+def connect(config: Config, **connection) -> redis.Redis:
+    """A client of the current primary (`connection`: redis-py options such as timeouts)."""
+    if not is_sentinel(config.redis_url):
+        password = _env(config.redis_password_env)
+        if password:
+            connection["password"] = password
+        return redis.Redis.from_url(config.redis_url, **connection)
+    return _sentinel(config, **connection).master_for(config.redis_service_name)
+
+
+def celery_settings(config: Config, transport: dict, result_transport: dict) -> dict:
+    """Broker and result-backend settings for `config`, Sentinel options included."""
+    url = _with_password(config.redis_url, _env(config.redis_password_env))
+    if not is_sentinel(url):
+        return {
+            "broker_url": url,
+            "result_backend": f"qreward_queue.app:QrqRedisBackend+{url}",
+            "broker_transport_options": transport,
+            "result_backend_transport_options": result_transport,
+        }
+    sentinel = {"master_name": config.redis_service_name,
+                "sentinel_kwargs": _sentinel_kwargs(config)}
+    # kombu and Celery's backend read the database from the first sentinel's path: put it on each
+    db = sentinel_db(url)
+    url = SEPARATOR.join(urlsplit(c)._replace(path=f"/{db}").geturl() for c in url.split(SEPARATOR))
+    return {
+        "broker_url": url,
+        "result_backend": f"qreward_queue.app:QrqSentinelBackend+{url}",
+        "broker_transport_options": {**transport, **sentinel},
+        "result_backend_transport_options": {**result_transport, **sentinel},
+    }
+
+
+def describe(config: Config) -> str:
+    """Where Redis is, without passwords (for messages and logs)."""
+    if not is_sentinel(config.redis_url):
+        from .config import redact_url
+
+        return redact_url(config.redis_url or "")
+    nodes = ", ".join(f"{h}:{p}" for h, p in sentinel_addresses(config.redis_url))
+    return f"service {config.redis_service_name!r} via sentinels {nodes}"
+
+
+def sentinel_problem(config: Config) -> str | None:
+    """Why no primary can be found through the sentinels, in one line (None: one is found)."""
+    sentinel = _sentinel(config, socket_timeout=SENTINEL_TIMEOUT_S)
+    errors, known = [], set()
+    try:
+        for node in sentinel.sentinels:
+            where = "{host}:{port}".format(**node.connection_pool.connection_kwargs)
+            try:
+                masters = node.sentinel_masters()
+            except redis.RedisError as exc:
+                errors.append(f"{where}: {str(exc).strip() or type(exc).__name__}")
+                continue
+            if config.redis_service_name in masters:
+                return None
+            known.update(masters)
+    finally:
+        for node in sentinel.sentinels:
+            node.close()
+    nodes = ", ".join(f"{h}:{p}" for h, p in sentinel_addresses(config.redis_url))
+    if not known and len(errors) == len(sentinel.sentinels):
+        return (f"no sentinel answered at {nodes} ({'; '.join(errors)}): check that "
+                "redis-sentinel runs there and that [redis] sentinels / QRQ_REDIS_URL name it")
+    return (f"the sentinels at {nodes} know no service named {config.redis_service_name!r} "
+            f"(they know: {', '.join(sorted(known)) or 'none'}): check [redis] service_name "
+            f"or {SERVICE_ENV}")
