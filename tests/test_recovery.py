@@ -35,7 +35,8 @@ def test_redis_restart_loses_no_reward(tmp_path, stack):
     server = PrivateRedis(tmp_path).start()
     stack.callback(server.kill)
     judge = stack.enter_context(spawn(MockJudgeSettings(latency_ms=100, latency_cv=0.2)))
-    backend = judge_backend(judge.url, concurrency=8)
+    # small chunks, two at a time: most of the batch is still queued when Redis goes
+    backend = judge_backend(judge.url, concurrency=2, chunk_size=10)
     config_path = write_config(
         tmp_path, {"j": backend}, redis_url=server.url, fallback_score=FALLBACK
     )
@@ -68,7 +69,7 @@ def test_redis_restart_loses_no_reward(tmp_path, stack):
         else:  # only an explicit timeout may stand in for a score
             assert outcome.score == FALLBACK and outcome.error, (i, outcome)
     assert statuses == {"ok"}, [o for o in outcomes if o.status != "ok"][:3]
-    # because the client noticed the lost work and sent it again
+    # because the client noticed the queued work Redis lost and sent it again
     assert batch.resubmitted > 0
     assert judge.stats()["accepted"] >= 300 - done_before
     assert worker.proc.poll() is None, worker.log.read_text()[-3000:]
