@@ -88,7 +88,7 @@ class CallSizing:
 
     def observe(self, latency_s: float) -> bool:
         """Learn one call's latency; True when the size changed."""
-        if not self.sized or not self.limits.rpm or self.most < PROCESS_CALLS:
+        if not self.sized or not self.limits.rpm:
             return False
         w = self.LATENCY_WEIGHT
         self.latency_s = latency_s if self.latency_s is None else (

@@ -36,6 +36,9 @@ def test_with_no_calls_the_size_follows_rate_times_latency():
 def test_the_size_is_bounded_by_max_concurrent_and_fixed_by_calls():
     # max_concurrent below the usual size bounds it from the start
     assert CallSizing(backend(Limits(max_concurrent=16), Pool(calls=16))).size == 16
+    small = CallSizing(backend(Limits(rpm=600, max_concurrent=16), Pool(calls=16)))
+    small.observe(0.1)  # 3 x 10/s x 0.1 s = 3: the floor of 8
+    assert (small.size, small.why) == (8, "3 x 10/s x 100 ms latency")
     # rpm x latency above max_concurrent stops at it
     capped = CallSizing(backend(Limits(rpm=60000, max_concurrent=200), Pool(calls=200)))
     capped.observe(1.0)
