@@ -225,7 +225,8 @@ def _start_heartbeat(sender, **_) -> None:
     def beat() -> None:
         while True:
             with contextlib.suppress(redis.RedisError):  # Redis restarting: beat again later
-                liveness.beat(app.store, sender.hostname, queues, HEARTBEAT_TTL_S)
+                liveness.beat(app.store, sender.hostname, queues, HEARTBEAT_TTL_S,
+                              tasks.pool_sizes())
             time.sleep(HEARTBEAT_S)
 
     threading.Thread(target=beat, daemon=True, name="qrq-heartbeat").start()

@@ -19,7 +19,9 @@ import redis
 from kombu.exceptions import OperationalError
 
 from .config import (
+    BUSY_TASKS,
     PACKAGED_CONFIG,
+    Backend,
     Config,
     config_not_found,
     find_config,
@@ -238,7 +240,7 @@ def worker(
 
     from .app import QrqCelery
     from .redact import install_log_filter
-    from .tasks import TASK_NAME
+    from .tasks import TASK_NAME, call_pool
 
     backend = load_backend(backend_file)  # its own file: every problem in it is an error
     broken: dict[str, str] = {}
@@ -288,8 +290,12 @@ def worker(
     click.echo(
         describe_mode(config) + f"; worker for backend {backend.name!r} on queue {backend.queue}"
     )
+    if warning := busy_tasks_warning(backend, concurrency):
+        click.echo(f"qrq: warning: {warning}", err=True)
     for logging_ready in (after_setup_logger, after_setup_task_logger):  # no key in a log line
         logging_ready.connect(lambda logger, **_: install_log_filter(logger), weak=False)
+    if backend.pool.type == "threads" and backend.kind != "function":
+        call_pool(backend)  # its threads and connections exist before the first task
     app.worker_main(argv)
 
 
@@ -301,6 +307,17 @@ def _code_sandbox(backend_file: str, options: dict) -> str:
         return sandbox.describe(unsafe=bool(options.get("unsafe")))
     except sandbox.SandboxUnavailable as exc:
         raise ConfigError(f"{backend_file}: {exc}") from None
+
+
+def busy_tasks_warning(backend: Backend, override: int | None) -> str | None:
+    """One line when the file's `[pool] concurrency` is far above what chunk tasks can use:
+    it once meant threads (an earlier README said so); it now counts chunk tasks at once."""
+    tasks = backend.pool.concurrency
+    if override is not None or backend.pool.type != "threads" or tasks <= BUSY_TASKS:
+        return None
+    return (f"{backend.source}: [pool] concurrency = {tasks} is the number of chunk tasks a "
+            f"worker process runs at once (more than {BUSY_TASKS} only makes chunks smaller), "
+            f"not threads: calls in flight are [pool] calls, sized from [limits] when unset")
 
 
 @cli.command()

@@ -99,6 +99,12 @@ def advised_calls(
     return math.ceil(total / workers)
 
 
+# With no `calls` in the file, a worker process sizes its calls in flight itself (tasks.py):
+PROCESS_CALLS = 64  # where it starts, and its size with no limit known (an asyncio client's 64)
+MAX_PROCESS_CALLS = 256  # the most it grows to, under max_concurrent and rpm x latency
+BUSY_TASKS = 8  # chunk tasks at once per process beyond which `concurrency` only costs
+
+
 @dataclass(frozen=True)
 class Pool:
     """How the Celery worker pool for one backend runs."""
@@ -106,7 +112,10 @@ class Pool:
     type: str = "threads"
     concurrency: int = 2  # chunk tasks at once per worker process
     rate_limit: str | None = None
-    calls: int = 32  # backend calls in flight per worker process, shared by its tasks
+    # backend calls in flight per worker process, shared by its tasks: with no `calls` in the
+    # file (`sized`), the most the pool may size itself to (see tasks.CallSizing)
+    calls: int = PROCESS_CALLS
+    sized: bool = True
     # function backends: the helper process that runs the function (see backends/function.py)
     memory_limit_mb: int | None = 2048
     max_tasks_per_child: int = 1000
@@ -376,7 +385,7 @@ def _limits(t: _Table) -> Limits:
     return limits
 
 
-def _pool(t: _Table, kind: str) -> Pool:
+def _pool(t: _Table, kind: str, limits: Limits | None) -> Pool:
     pool_type = t.get("type", str, "prefork" if kind == "function" else "threads")
     if pool_type not in POOLS:
         raise t.fail("type", f"one of {', '.join(POOLS)}")
@@ -384,17 +393,29 @@ def _pool(t: _Table, kind: str) -> Pool:
     if rate_limit is not None and not _RATE_LIMIT.match(rate_limit):
         raise t.fail("rate_limit", 'a Celery rate such as "50/s", "3000/m" or "100/h"')
     default_concurrency = (os.cpu_count() or 2) if pool_type == "prefork" else Pool.concurrency
+    calls = t.integer("calls", None)
+    sized = calls is None and kind != "function"
+    if calls is None:  # a function runs one call per task; else the pool sizes itself
+        calls = 1 if kind == "function" else _most_calls(limits or Limits())
     pool = Pool(
         pool_type,
         t.integer("concurrency", default_concurrency),
         rate_limit,
-        t.integer("calls", 1 if kind == "function" else Pool.calls),
+        calls,
+        sized,
         memory_limit_mb=t.integer("memory_limit_mb", Pool.memory_limit_mb, minimum=0) or None,
         max_tasks_per_child=t.integer("max_tasks_per_child", Pool.max_tasks_per_child),
         max_memory_per_child_mb=t.integer("max_memory_per_child_mb", None),
     )
     t.finish()
     return pool
+
+
+def _most_calls(limits: Limits) -> int:
+    """The most calls in flight a self-sizing pool may grow to."""
+    if limits.max_concurrent:
+        return min(limits.max_concurrent, MAX_PROCESS_CALLS)
+    return MAX_PROCESS_CALLS if limits.rpm else PROCESS_CALLS
 
 
 def _retry(t: _Table) -> Retry:
@@ -437,7 +458,7 @@ def load_backend(path: str | os.PathLike[str]) -> Backend:
     raw = root.data.get("backend")
     kind = values["kind"] if values else raw.get("kind") if isinstance(raw, dict) else None
     limits = root.section("limits", _limits)
-    pool = root.section("pool", _pool, kind if kind in KINDS else "judge")
+    pool = root.section("pool", _pool, kind if kind in KINDS else "judge", limits)
     retry = root.section("retry", _retry)
     price = root.section("price", _price) if "price" in root.data else None
     budget = root.section("budget", _budget) if "budget" in root.data else None

@@ -32,6 +32,11 @@ def alive(node: str) -> str:
     return f"{PREFIX}alive:{node}"
 
 
+def call_pools(node: str) -> str:
+    """A worker node's calls in flight per backend and why (JSON), refreshed by its heartbeat."""
+    return f"{PREFIX}calls:{node}"
+
+
 def consumers(queue: str) -> str:
     """Set of the worker nodes whose heartbeat says they consume `queue`."""
     return f"{PREFIX}consumers:{queue}"

@@ -9,6 +9,7 @@ is dead and is dropped from the set by whoever reads it.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import threading
 import time
@@ -26,14 +27,25 @@ CHECK_EVERY_S = 2.0
 RECOVERY_GRACE_S = 6.0  # after an outage: a worker's heartbeat period (5 s) and a margin
 
 
-def beat(store: redis.Redis, node: str, queues: Iterable[str], ttl_s: float) -> None:
-    """One heartbeat of worker `node` consuming `queues` (one round trip)."""
+def beat(store: redis.Redis, node: str, queues: Iterable[str], ttl_s: float,
+         pools: dict[str, dict] | None = None) -> None:
+    """One heartbeat of worker `node` consuming `queues`, with the size of its call `pools`
+    (one round trip)."""
     with store.pipeline(transaction=False) as pipe:
         pipe.set(keys.alive(node), 1, ex=int(ttl_s))
+        if pools:
+            pipe.set(keys.call_pools(node), json.dumps(pools), ex=int(ttl_s))
         for queue in queues:
             pipe.sadd(keys.consumers(queue), node)
             pipe.expire(keys.consumers(queue), CONSUMERS_TTL_S)
         pipe.execute()
+
+
+def call_pools(store: redis.Redis, nodes: list[str], backend: str) -> dict[str, dict]:
+    """Each live node's calls in flight to `backend` and why, as its last heartbeat said."""
+    said = store.mget([keys.call_pools(n) for n in nodes]) if nodes else []
+    pools = {n: json.loads(s) for n, s in zip(nodes, said, strict=True) if s}
+    return {n: p[backend] for n, p in pools.items() if backend in p}
 
 
 def live_workers(store: redis.Redis, queue: str) -> list[str]:

@@ -11,7 +11,7 @@ from .app import QrqCelery
 from .capacity import TYPICAL_BATCH, queue_depth, queue_depths
 from .config import Config
 from .limiter import CLAIM_WINDOW_S, CORROBORATE
-from .liveness import live_workers
+from .liveness import call_pools, live_workers
 from .routing import chunk_size
 from .spend import backend_spend
 
@@ -22,11 +22,13 @@ def backend_rows(app: QrqCelery) -> list[dict]:
     rows = []
     for name, backend in app.qrq_config.backends.items():
         limiter = app.limiter(name)
+        nodes = live_workers(app.store, backend.queue)
         row = {
             "backend": name,
             "kind": backend.kind,
             "queued": queue_depth(app.store, backend.queue),
-            "workers": len(live_workers(app.store, backend.queue)),
+            "workers": len(nodes),
+            "calls": call_pools(app.store, nodes, name),
             "spend": backend_spend(app.store, backend),
         }
         row.update(limiter.status() if limiter else {})
@@ -97,6 +99,8 @@ def render_snapshot(snap: dict) -> str:
     lines += [f"  {row['backend']}: a reply out of bounds (last 10 min): {row['bounded']}"
               for row in snap["backends"] if row.get("bounded")]
     lines += [line for row in snap["backends"] for line in _learned_lines(row)]
+    lines += [f"  {row['backend']}: {node} keeps {pool['calls']} calls in flight ({pool['why']})"
+              for row in snap["backends"] for node, pool in row.get("calls", {}).items()]
     for row in snap["backends"]:
         lines += render_spend(row["backend"], row["spend"])
     return "\n".join(lines)

@@ -386,8 +386,9 @@ def test_backend_defaults_and_explicit_values(tmp_path):
         None,  # sized by the planner
         "threads",
         2,
-        32,
+        64,  # no `calls`: the most the pool sizes itself to (no limits: an asyncio client's 64)
     )
+    assert pool.sized
     assert judge.limits.rpm is None and judge.limits.max_concurrent is None
     rm = load_backend(
         write_backend(

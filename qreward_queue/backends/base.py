@@ -14,6 +14,7 @@ from typing import Any
 
 from ..config import Backend
 from ..errors import PermanentError, ScoringError
+from .http import connect
 
 MAX_USAGE_TOKENS = 10**12  # more than any call can cost: a larger count is garbage
 
@@ -33,8 +34,15 @@ class Call:
 class BackendClient(ABC):
     """Turns samples into backend calls. Subclasses set how many samples one call takes."""
 
+    endpoint: str | None = None  # where its calls go over HTTP (None: not over HTTP)
+
     def __init__(self, config: Backend):
         self.config = config
+
+    def connect(self) -> None:
+        """Open the calling thread's kept-alive connection ahead of its first call."""
+        if self.endpoint is not None:
+            connect(self.endpoint, self.config.timeout_s)
 
     def split(self, samples: list[dict]) -> list[list[int]]:
         """Positions of `samples` grouped into calls; default: `batch` samples per call."""

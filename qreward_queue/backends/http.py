@@ -14,6 +14,7 @@ in total, however slowly the server trickles its reply.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -103,6 +104,15 @@ def _take_socket(server: _Server, timeout_s: float) -> tuple[socket.socket, bool
     except OSError as exc:  # refused, unreachable, unknown host, no handshake, TLS...
         raise _failed(server, exc) from None
     return sock, False
+
+
+def connect(url: str, timeout_s: float) -> None:
+    """Open this thread's kept-alive socket to `url`'s server before its first call (a worker's
+    first batch then runs as fast as its later ones); a failure is left for that call to meet."""
+    server = _server(url)
+    if server not in _kept():
+        with contextlib.suppress(TransientError):
+            _kept()[server] = _take_socket(server, timeout_s)[0]
 
 
 def post_json(config: Backend, url: str, payload: dict) -> Reply:

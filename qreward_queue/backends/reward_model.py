@@ -11,6 +11,10 @@ class RewardModelBackend(BackendClient):
     """Up to `batch_size` samples per call; a reply of the wrong shape fails the whole call,
     a bad score (not a number, too large, outside `score_range`) fails only its own item."""
 
+    def __init__(self, config):
+        super().__init__(config)
+        self.endpoint = config.url
+
     @property
     def batch(self) -> int:
         return self.config.batch_size
@@ -24,7 +28,7 @@ class RewardModelBackend(BackendClient):
         }
         if self.config.model:
             payload["model"] = self.config.model
-        reply = post_json(self.config, self.config.url, payload)
+        reply = post_json(self.config, self.endpoint, payload)
         facts = {"status_code": reply.status_code, "headers": reply.headers}
         scores = reply.body.get("scores") if isinstance(reply.body, dict) else None
         if not isinstance(scores, list) or len(scores) != len(samples):
