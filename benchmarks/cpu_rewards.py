@@ -316,26 +316,25 @@ def main(argv: list[str] | None = None) -> None:
         for run in bench(reward, n, args.redis_url, min(args.loop_n, n)):
             worst = run["timeout_max_ms"]
             hang = "-" if worst is None else f"{worst / 1000:.2f}"
-            print(
-                f"{reward:7} {run['client']:32} {run['n']:5d} {run['wall_s']:7.2f} "
-                f"{run['per_s']:8.1f} {run['ratio_to_pool']:7.2f} "
-                f"{run.get('enqueue_s', float('nan')):9.3f} {run['p50_ms']:7.1f} "
-                f"{run['p99_ms']:7.1f} {run['wrong']:5d} {hang:>10} "
-                f"{run.get('cores_used', float('nan')):5.2f} {run['statuses']}",
-                flush=True,
-            )
-            if args.json:
-                print(json.dumps(run), flush=True)
+            report(run, args.json,
+                   f"{reward:7} {run['client']:32} {run['n']:5d} {run['wall_s']:7.2f} "
+                   f"{run['per_s']:8.1f} {run['ratio_to_pool']:7.2f} "
+                   f"{run.get('enqueue_s', float('nan')):9.3f} {run['p50_ms']:7.1f} "
+                   f"{run['p99_ms']:7.1f} {run['wrong']:5d} {hang:>10} "
+                   f"{run.get('cores_used', float('nan')):5.2f} {run['statuses']}")
         if reward == "code":
             run = sandbox_overhead(args.overhead_n)
-            print(
-                f"{reward:7} {run['client']:32} {run['n']:5d} p50 {run['p50_ms']:.1f} ms, "
-                f"p99 {run['p99_ms']:.1f} ms (a bare interpreter start: p50 "
-                f"{run['bare_interpreter_p50_ms']:.1f} ms)",
-                flush=True,
-            )
-            if args.json:
-                print(json.dumps(run), flush=True)
+            report(run, args.json,
+                   f"{reward:7} {run['client']:32} {run['n']:5d} p50 {run['p50_ms']:.1f} ms, "
+                   f"p99 {run['p99_ms']:.1f} ms (a bare interpreter start: p50 "
+                   f"{run['bare_interpreter_p50_ms']:.1f} ms)")
+
+
+def report(run: dict, as_json: bool, line: str) -> None:
+    """One table line, and the run as a JSON line with --json."""
+    print(line, flush=True)
+    if as_json:
+        print(json.dumps(run), flush=True)
 
 
 if __name__ == "__main__":
