@@ -7,6 +7,13 @@ Verdict rule (deterministic, so tests can check every score):
     the last message with role "user". The reward-model endpoint scores each item with
     rm_verdict(prompt, response) = verdict(prompt + "\\n" + response).
 
+Group prompts (one chat call judging a whole group; the wire format is qreward_queue.groups'):
+a judged text holding numbered blocks '<response id="1">\\n...\\n</response>', numbered 1, 2, ...
+in order, is a group. Its head is the text before the first block (the shared prompt and the
+instructions); each response scores rm_verdict(head, response), and the reply ends with the
+scores as `group_reply` says: "list" 'Scores: [0.42, 0.07]', "object" 'Scores: {"1": 0.42,
+"2": 0.07}', "tagged" '[1] Score: 0.42' lines. split_group() is that reading of a text.
+
 Endpoints:
     POST /v1/chat/completions  {"model", "messages": [{"role", "content"}, ...], "max_tokens"?}
                                -> an OpenAI chat.completion saying "... Score: 0.42"
@@ -39,6 +46,15 @@ the judged text (chat: the last user message; rewards: any prompt or response), 
     [[mock:badjson]]  200 whose body is not JSON
     [[mock:garbage]]  200 without a score: "I cannot decide." / {"scores": "nope"}
 One bad item sinks a whole rewards call, so a client must split the batch to isolate it.
+
+Group faults, a well-formed 200 whose scores are wrong in one way, chosen per request by a
+marker in the judged text, else (with group_fault_rate) by a draw from crc32(seed, text), so a
+test can aim at one and a retry of the same request meets the same fault:
+    [[mock:group-few]]    one score too few           [[mock:group-extra]]  one score too many
+    [[mock:group-dup]]    the last response numbered as the first
+    [[mock:group-order]]  scores in reverse order, correctly numbered (the only one to accept)
+    [[mock:group-nan]]    the last score is "n/a"     [[mock:group-zero]]   numbered from 0
+Faults that need numbers (dup, order, zero) reply as an object when group_reply is "list".
 """
 
 from __future__ import annotations
@@ -68,7 +84,11 @@ import click
 
 Json = dict[str, Any]
 
-_TRIGGER = re.compile(r"\[\[mock:(400|hang|500|badjson|garbage)\]\]")
+GROUP_FAULTS = ("few", "extra", "dup", "order", "nan", "zero")
+GROUP_REPLIES = ("list", "object", "tagged")
+_TRIGGERS = ("400", "hang", "500", "badjson", "garbage", *(f"group-{f}" for f in GROUP_FAULTS))
+_TRIGGER = re.compile(rf"\[\[mock:({'|'.join(_TRIGGERS)})\]\]")
+_RESPONSE_BLOCK = re.compile(r'<response id="(\d+)">\n(.*?)\n</response>', re.DOTALL)
 _COUNTERS = (
     "requests",
     "accepted",
@@ -101,6 +121,8 @@ class MockJudgeSettings:
     hang_rate: float = 0.0
     hang_s: float = 30.0
     seed: int = 0
+    group_reply: str = "list"  # how a group's scores are written: list | object | tagged
+    group_fault_rate: float = 0.0  # fraction of group requests answered with a group fault
 
 
 def verdict(text: str) -> float:
@@ -112,6 +134,52 @@ def verdict(text: str) -> float:
 def rm_verdict(prompt: str, response: str) -> float:
     """The reward model's score for one (prompt, response) item."""
     return verdict(prompt + "\n" + response)
+
+
+def split_group(text: str) -> tuple[str, list[str]] | None:
+    """(head, responses) when `text` is a group prompt, else None (then it is one sample)."""
+    blocks = list(_RESPONSE_BLOCK.finditer(text))
+    if not blocks or any(m.group(1) != str(n) for n, m in enumerate(blocks, 1)):
+        return None
+    return text[: blocks[0].start()].rstrip("\n"), [m.group(2) for m in blocks]
+
+
+def _group_fault(text: str, triggers: set[str], settings: MockJudgeSettings) -> str | None:
+    marked = sorted(t.removeprefix("group-") for t in triggers if t.startswith("group-"))
+    if marked:
+        return marked[0]
+    draw = zlib.crc32(f"{settings.seed}:{text}".encode("utf-8", "surrogatepass"))
+    if draw % 10_000 < settings.group_fault_rate * 10_000:
+        return GROUP_FAULTS[draw // 10_000 % len(GROUP_FAULTS)]
+    return None
+
+
+def _group_reply(head: str, responses: list[str], fault: str | None, style: str) -> str:
+    """The judge's answer for a group: one score per response, unless `fault` spoils it."""
+    pairs: list[tuple[int, float | str]] = [
+        (n, rm_verdict(head, response)) for n, response in enumerate(responses, 1)
+    ]
+    match fault:
+        case "few":
+            pairs = pairs[:-1]
+        case "extra":
+            pairs = [*pairs, (len(pairs) + 1, 0.5)]
+        case "dup":
+            pairs = [*pairs[:-1], (1, pairs[-1][1])] if len(pairs) > 1 else pairs * 2
+        case "order":
+            pairs = pairs[::-1]
+        case "nan":
+            pairs = [*pairs[:-1], (pairs[-1][0], "n/a")]
+        case "zero":
+            pairs = [(n - 1, score) for n, score in pairs]
+    if style == "list" and fault in ("dup", "order", "zero"):
+        style = "object"
+    if style == "tagged":
+        return "\n".join(f"[{n}] Score: {score}" for n, score in pairs)
+    if style == "object":
+        fields = ", ".join(f'"{n}": {json.dumps(score)}' for n, score in pairs)  # keeps duplicates
+        return f"Scores: {{{fields}}}"
+    return f"Scores: {json.dumps([score for _, score in pairs])}"
 
 
 def _tokens(chars: int) -> int:
@@ -308,7 +376,7 @@ def _triggers(text: str, where: str) -> set[str]:
     return found
 
 
-def _parse_chat(body: bytes) -> _Call:
+def _parse_chat(body: bytes, settings: MockJudgeSettings) -> _Call:
     payload = _load_object(body)
     model = payload.get("model")
     if not isinstance(model, str):
@@ -327,8 +395,14 @@ def _parse_chat(body: bytes) -> _Call:
 
     judged = messages[users[-1]]["content"]
     triggers = _triggers(judged, f"messages[{users[-1]}].content")
+    group = split_group(judged)
+    items = 0
     if "garbage" in triggers:
         content = "I cannot decide."
+    elif group:
+        fault = _group_fault(judged, triggers, settings)
+        content = _group_reply(*group, fault, settings.group_reply)
+        items = len(group[1]) if fault in (None, "order") else 0
     else:
         content = f"The response was assessed. Score: {verdict(judged):.2f}"
     prompt_tokens = _tokens(sum(len(message["content"]) for message in messages))
@@ -355,7 +429,7 @@ def _parse_chat(body: bytes) -> _Call:
         }
 
     cost = prompt_tokens + (max_tokens or completion_tokens)
-    return _Call(tokens=cost, triggers=triggers, items=0, reply=reply,
+    return _Call(tokens=cost, triggers=triggers, items=items, reply=reply,
                  usage=(prompt_tokens, completion_tokens))
 
 
@@ -423,7 +497,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         match self.command, path:
             case "POST", "/v1/chat/completions":
-                self._score(body, _parse_chat)
+                self._score(body, lambda chat: _parse_chat(chat, judge.settings))
             case "POST", "/v1/rewards":
                 self._score(body, _parse_rewards)
             case "GET", "/stats":
@@ -673,6 +747,19 @@ _DEFAULTS = MockJudgeSettings()
     help="Seconds a hang lasts.",
 )
 @click.option("--seed", default=_DEFAULTS.seed, show_default=True, help="Seed of the fault RNG.")
+@click.option(
+    "--group-reply",
+    type=click.Choice(GROUP_REPLIES),
+    default=_DEFAULTS.group_reply,
+    show_default=True,
+    help="How a group prompt's scores are written.",
+)
+@click.option(
+    "--group-fault-rate",
+    type=float,
+    default=_DEFAULTS.group_fault_rate,
+    help="Fraction of group prompts answered with a group fault.",
+)
 def mock_judge_cli(**options: Any) -> None:
     """Serve a rate-limited, OpenAI-compatible mock LLM judge until SIGINT or SIGTERM."""
     signal.signal(signal.SIGTERM, signal.default_int_handler)
