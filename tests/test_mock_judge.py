@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import re
@@ -17,12 +18,16 @@ from typing import Any
 import pytest
 import requests
 
+from qreward_queue.errors import PermanentError
+from qreward_queue.groups import DEFAULT_TAGGED_PATTERN, parse_group_scores
 from qreward_queue.mock_judge import (
+    GROUP_FAULTS,
     MockJudge,
     MockJudgeSettings,
     _Judge,
     rm_verdict,
     spawn,
+    split_group,
     verdict,
 )
 
@@ -436,3 +441,141 @@ def test_spawn_kill_takes_the_server_down() -> None:
 def test_spawn_reports_a_server_that_cannot_start() -> None:
     with pytest.raises(RuntimeError, match="exited with code"):
         spawn(MockJudgeSettings(host="256.0.0.1"))
+
+
+# --- group prompts, over HTTP to a spawned judge process ----------------------------------------
+
+GROUP_HEAD = "Rate each response.\nPrompt: What is 6 x 7?"
+GROUP_RESPONSES = ["42", "It is 42.\nCheck: 6 x 7 = 42.", "41", "forty-two"]
+
+
+def group_text(responses: list[str] = GROUP_RESPONSES, head: str = GROUP_HEAD) -> str:
+    """A group prompt written by hand (not by qreward_queue.groups), so the mock is checked
+    against the wire format itself."""
+    blocks = [f'<response id="{n}">\n{r}\n</response>' for n, r in enumerate(responses, 1)]
+    return head + "\n" + "\n".join(blocks) + "\nAnswer with a JSON list of scores."
+
+
+def ask(url: str, content: str) -> str:
+    reply = requests.post(url + CHAT, json=chat(content, max_tokens=64), timeout=10)
+    assert reply.status_code == 200, reply.text
+    return reply.json()["choices"][0]["message"]["content"]
+
+
+@pytest.fixture(scope="module", params=["list", "object", "tagged"])
+def group_judge(request) -> Iterator[Any]:
+    settings = MockJudgeSettings(latency_ms=1, latency_cv=0, group_reply=request.param)
+    with spawn(settings) as judge:
+        yield judge
+
+
+WANT = [rm_verdict(GROUP_HEAD, r) for r in GROUP_RESPONSES]
+
+
+def test_group_prompt_scores_each_response_in_the_asked_style(group_judge) -> None:
+    group_judge.reset()
+    content = ask(group_judge.url, group_text())
+    expected = {
+        "list": f"Scores: {json.dumps(WANT)}",
+        "object": "Scores: " + json.dumps({str(n): s for n, s in enumerate(WANT, 1)}),
+        "tagged": "\n".join(f"[{n}] Score: {s}" for n, s in enumerate(WANT, 1)),
+    }[reply_style(group_judge)]
+    assert content == expected
+    assert len(set(WANT)) == len(WANT)  # distinct, so a mix-up of responses would show
+    stats = group_judge.stats()
+    assert (stats["requests"], stats["items"]) == (1, len(GROUP_RESPONSES))
+    messages_chars = len(group_text())
+    assert stats["prompt_tokens"] == math.ceil(messages_chars / 4)
+    assert stats["completion_tokens"] == math.ceil(len(content) / 4)
+
+
+def test_split_group_reads_head_and_responses_and_refuses_bad_numbering() -> None:
+    assert split_group(group_text()) == (GROUP_HEAD, GROUP_RESPONSES)
+    assert split_group("Prompt: p\nResponse: r") is None
+    skipped = group_text().replace('<response id="2">', '<response id="3">')
+    assert split_group(skipped) is None  # then it is one sample, scored as a whole
+
+
+def test_a_text_that_is_not_a_group_keeps_the_single_verdict(group_judge) -> None:
+    text = group_text().replace('<response id="1">', '<response id="0">')
+    assert ask(group_judge.url, text) == f"The response was assessed. Score: {verdict(text):.2f}"
+
+
+def scores_of(content: str) -> list[tuple[int, Any]]:
+    """The (number, score) pairs a group reply gives, duplicates and order kept."""
+    if content.startswith("["):
+        pairs = re.findall(r"\[(\d+)\] Score: (\S+)", content)
+        return [(int(n), s if s == "n/a" else float(s)) for n, s in pairs]
+    value = json.loads(content.removeprefix("Scores: "), object_pairs_hook=list)
+    return [(int(n), s) for n, s in (value if content.startswith("Scores: {") else
+                                      enumerate(value, 1))]
+
+
+def faulty(fault: str) -> tuple[str, list[float]]:
+    """A group prompt marked with `fault`, and the scores its responses deserve."""
+    head = f"{GROUP_HEAD} [[mock:group-{fault}]]"
+    return group_text(head=head), [rm_verdict(head, r) for r in GROUP_RESPONSES]
+
+
+def reply_style(judge) -> str:
+    return judge.process.args[judge.process.args.index("--group-reply") + 1]
+
+
+@pytest.mark.parametrize(
+    ("fault", "spoil"),
+    [
+        ("few", lambda pairs: pairs[:-1]),
+        ("extra", lambda pairs: [*pairs, (5, 0.5)]),
+        ("dup", lambda pairs: [*pairs[:-1], (1, pairs[-1][1])]),
+        ("order", lambda pairs: pairs[::-1]),
+        ("nan", lambda pairs: [*pairs[:-1], (4, "n/a")]),
+        ("zero", lambda pairs: [(n - 1, s) for n, s in pairs]),
+    ],
+)
+def test_group_fault_markers_spoil_the_reply_as_named(group_judge, fault: str, spoil) -> None:
+    group_judge.reset()
+    text, deserved = faulty(fault)
+    content = ask(group_judge.url, text)
+    assert scores_of(content) == spoil(list(enumerate(deserved, 1)))
+    assert group_judge.stats()["items"] == (len(deserved) if fault == "order" else 0)
+
+
+def parse(content: str, style: str) -> list[float]:
+    return parse_group_scores(content, len(GROUP_RESPONSES),
+                              DEFAULT_TAGGED_PATTERN if style == "tagged" else None)
+
+
+@pytest.mark.parametrize("fault", [None, *GROUP_FAULTS])
+def test_the_group_parser_takes_the_good_replies_and_refuses_every_spoiled_one(
+    group_judge, fault: str | None
+) -> None:
+    text, deserved = faulty(fault) if fault else (group_text(), WANT)
+    content = ask(group_judge.url, text)
+    if fault in (None, "order"):
+        assert parse(content, reply_style(group_judge)) == deserved
+    else:
+        with pytest.raises(PermanentError) as caught:
+            parse(content, reply_style(group_judge))
+        assert caught.value.detail == content
+
+
+def test_group_fault_rate_is_deterministic_per_request_and_seed() -> None:
+    texts = [group_text([f"answer {i}", f"other {i}"]) for i in range(60)]
+    settings = MockJudgeSettings(latency_ms=1, latency_cv=0, group_fault_rate=0.5, seed=3)
+    with spawn(settings) as judge:
+        first = [ask(judge.url, t) for t in texts]
+        again = [ask(judge.url, t) for t in texts]
+        items = judge.stats()["items"]
+    with spawn(dataclasses.replace(settings, seed=4)) as judge:
+        reseeded = [ask(judge.url, t) for t in texts]
+    parsed = 0
+    for text, content in zip(texts, first, strict=True):
+        deserved = [rm_verdict(GROUP_HEAD, r) for r in split_group(text)[1]]
+        try:
+            assert parse_group_scores(content, 2) == deserved  # clean, or only reordered
+            parsed += 1
+        except PermanentError:
+            pass
+    assert first == again and first != reseeded
+    assert 15 <= 60 - parsed <= 45  # about half spoiled (5 of 6 faults refused), per text
+    assert items == 2 * 2 * parsed  # two rounds, two responses: only well-formed replies count
