@@ -12,8 +12,9 @@ per-sample (qrq)  the batch through `submit_batch` and one real `qrq worker` (32
 group (direct)    one chat call per group with qreward_queue.groups' DEFAULT_GROUP_TEMPLATE
                   (the prompt once, the responses numbered), max_tokens 8 + 12 per response,
                   parsed by parse_group_scores. DIRECT: 32 threads post straight to the judge
-                  and retry a 429 after its retry-after-ms, since qrq has no group mode yet;
-                  once it has, this side goes through qrq too and the label changes.
+                  and retry a 429 after its retry-after-ms (times 1 to 2, jittered), since qrq
+                  has no group mode yet; once it has, this side goes through qrq too and the
+                  label changes.
 
 `calls` = the judge's accepted calls, `429` its refusals, `prompt_tok` / `completion_tok` the
 usage it billed, `samples/s` = samples over the wall time of the side. `wrong` = scores that
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import tempfile
 import threading
@@ -97,7 +99,9 @@ def group_direct(judge_url: str, samples: list[dict], size: int) -> dict:
             reply = session.post(judge_url + "/v1/chat/completions", json=payload, timeout=30)
             if reply.status_code != 429:
                 break
-            time.sleep(int(reply.headers.get("retry-after-ms", "100")) / 1000)
+            # jittered, so the 32 threads refused together do not all come back together
+            wait_s = int(reply.headers.get("retry-after-ms", "100")) / 1000
+            time.sleep(wait_s * (1 + random.random()))
         if reply.status_code != 200:
             return None
         try:

@@ -747,19 +747,10 @@ _DEFAULTS = MockJudgeSettings()
     help="Seconds a hang lasts.",
 )
 @click.option("--seed", default=_DEFAULTS.seed, show_default=True, help="Seed of the fault RNG.")
-@click.option(
-    "--group-reply",
-    type=click.Choice(GROUP_REPLIES),
-    default=_DEFAULTS.group_reply,
-    show_default=True,
-    help="How a group prompt's scores are written.",
-)
-@click.option(
-    "--group-fault-rate",
-    type=float,
-    default=_DEFAULTS.group_fault_rate,
-    help="Fraction of group prompts answered with a group fault.",
-)
+@click.option("--group-reply", type=click.Choice(GROUP_REPLIES), default=_DEFAULTS.group_reply,
+              show_default=True, help="How a group prompt's scores are written.")
+@click.option("--group-fault-rate", type=float, default=_DEFAULTS.group_fault_rate,
+              help="Fraction of group prompts answered with a group fault.")
 def mock_judge_cli(**options: Any) -> None:
     """Serve a rate-limited, OpenAI-compatible mock LLM judge until SIGINT or SIGTERM."""
     signal.signal(signal.SIGTERM, signal.default_int_handler)
