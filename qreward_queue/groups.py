@@ -42,7 +42,7 @@ DEFAULT_TAGGED_PATTERN = (
     r"\[(\d+)\]\s*Score:\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|[^\s,;]+)"
 )
 RESPONSE_BLOCK = '<response id="{number}">\n{response}\n</response>'
-_REPLY_QUOTE = 500  # characters of the judge's reply kept in an error's detail
+_QUOTE_HEAD, _QUOTE_TAIL = 150, 350  # a long reply's detail keeps both ends: scores come last
 
 
 def group_indices(samples: Sequence[Mapping[str, Any]]) -> list[list[int]]:
@@ -134,6 +134,15 @@ def render_group(template: str, samples: Sequence[Mapping[str, Any]]) -> str:
     )
 
 
+def pattern_problem(pattern: str) -> str | None:
+    """Why `pattern` cannot read tagged scores (for the config loader), or None."""
+    try:
+        groups = re.compile(pattern).groups
+    except re.error as exc:
+        return f"a valid regex ({exc})"
+    return None if groups == 2 else "a regex with two capture groups: response number, score"
+
+
 def template_problem(template: str) -> str | None:
     """Why `template` cannot be a group template (for the config loader), or None."""
     if "{responses}" not in template:
@@ -223,4 +232,7 @@ def _response_number(text: Any) -> int | None:
 
 
 def _bad(reply: str, why: str) -> PermanentError:
-    return PermanentError(why, reply[:_REPLY_QUOTE])
+    """The group's error, quoting the reply (both ends of a long one) for the outcome's detail."""
+    if len(reply) > _QUOTE_HEAD + _QUOTE_TAIL:
+        reply = f"{reply[:_QUOTE_HEAD]} [...] {reply[-_QUOTE_TAIL:]}"
+    return PermanentError(why, reply)

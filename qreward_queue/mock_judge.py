@@ -22,6 +22,8 @@ Endpoints:
 
 /stats counts requests (every POST), accepted, rate_limited, errors, ... and the usage it
 billed in its 200 replies: prompt_tokens and completion_tokens (the truth spend is checked by).
+`items` counts what was scored in bulk: rewards items, and the responses of group prompts
+answered well-formed.
 
 Tokens are ceil(characters / 4). A chat call costs prompt_tokens plus max_tokens when given (as
 OpenAI reserves it), else plus completion_tokens; a rewards call costs the sum over its items of

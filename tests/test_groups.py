@@ -16,6 +16,7 @@ from qreward_queue.groups import (
     DEFAULT_TAGGED_PATTERN,
     group_indices,
     parse_group_scores,
+    pattern_problem,
     plan_groups,
     render_group,
     split_balanced,
@@ -80,6 +81,12 @@ def test_render_puts_the_prompt_once_and_numbers_every_response() -> None:
         assert f'<response id="{n}">\nline {n}\nmore\n</response>' in text
 
 
+def test_pattern_problem_wants_two_groups() -> None:
+    assert pattern_problem(DEFAULT_TAGGED_PATTERN) is None
+    assert "two capture groups" in pattern_problem(r"Score: (\d+)")
+    assert "valid regex" in pattern_problem("(")
+
+
 def test_template_problem_names_what_is_missing() -> None:
     assert template_problem(DEFAULT_GROUP_TEMPLATE) is None
     assert "{responses}" in template_problem("Rate {prompt}")
@@ -132,7 +139,9 @@ def test_parse_rejects_anything_but_one_valid_score_each(reply: str, pattern, wh
         parse_group_scores(reply, 3, pattern)
     assert why in str(caught.value)
     assert caught.value.status == "error"
-    assert caught.value.detail == reply[:500]  # the reply, quoted for the outcome's detail
+    quoted = caught.value.detail  # the reply, quoted for the outcome's detail
+    assert quoted == reply if len(reply) <= 500 else (
+        quoted.startswith(reply[:150]) and quoted.endswith(reply[-350:]) and "[...]" in quoted)
 
 
 def test_parse_checks_the_score_range() -> None:
