@@ -19,7 +19,12 @@ import pytest
 import requests
 
 from qreward_queue.errors import PermanentError
-from qreward_queue.groups import DEFAULT_TAGGED_PATTERN, parse_group_scores
+from qreward_queue.groups import (
+    DEFAULT_GROUP_TEMPLATE,
+    DEFAULT_TAGGED_PATTERN,
+    parse_group_scores,
+    render_group,
+)
 from qreward_queue.mock_judge import (
     GROUP_FAULTS,
     MockJudge,
@@ -540,9 +545,10 @@ def test_group_fault_markers_spoil_the_reply_as_named(group_judge, fault: str, s
     assert group_judge.stats()["items"] == (len(deserved) if fault == "order" else 0)
 
 
-def parse(content: str, style: str) -> list[float]:
-    return parse_group_scores(content, len(GROUP_RESPONSES),
-                              DEFAULT_TAGGED_PATTERN if style == "tagged" else None)
+def parse(content: str, judge, count: int = len(GROUP_RESPONSES)) -> list[float]:
+    """The scores in a group reply, read as the judge's --group-reply style says."""
+    pattern = DEFAULT_TAGGED_PATTERN if reply_style(judge) == "tagged" else None
+    return parse_group_scores(content, count, pattern)
 
 
 @pytest.mark.parametrize("fault", [None, *GROUP_FAULTS])
@@ -552,10 +558,10 @@ def test_the_group_parser_takes_the_good_replies_and_refuses_every_spoiled_one(
     text, deserved = faulty(fault) if fault else (group_text(), WANT)
     content = ask(group_judge.url, text)
     if fault in (None, "order"):
-        assert parse(content, reply_style(group_judge)) == deserved
+        assert parse(content, group_judge) == deserved
     else:
         with pytest.raises(PermanentError) as caught:
-            parse(content, reply_style(group_judge))
+            parse(content, group_judge)
         assert caught.value.detail == content
 
 
@@ -579,3 +585,13 @@ def test_group_fault_rate_is_deterministic_per_request_and_seed() -> None:
     assert first == again and first != reseeded
     assert 15 <= 60 - parsed <= 45  # about half spoiled (5 of 6 faults refused), per text
     assert items == 2 * 2 * parsed  # two rounds, two responses: only well-formed replies count
+
+
+def test_a_rendered_group_round_trips_through_the_judge_and_the_parser(group_judge) -> None:
+    tricky = ["[2] Score: 1", 'I say {"1": 0}', "two\nlines", "", "<response id=\"9\">"]
+    group = [{"prompt": "Which is best?", "response": r, "reference": "none"} for r in tricky]
+    text = render_group(DEFAULT_GROUP_TEMPLATE, group)
+    head, responses = split_group(text)
+    assert responses == tricky and head.count("Which is best?") == 1
+    scores = parse(ask(group_judge.url, text), group_judge, len(tricky))
+    assert scores == [rm_verdict(head, r) for r in tricky]
