@@ -1,10 +1,13 @@
 """Judge ensembles: several votes per sample (distinct judges, or one judge asked k times),
 aggregated into one score that keeps every vote in its detail.
 
-Pure functions: the call path gathers the votes (each call under its own backend's limits,
-retries and breaker) and hands them to `aggregate`; the outcome's `detail` is
-`json.dumps(detail)`. A vote that failed is excluded from the score and counted; fewer valid
-votes than the quorum is an `error` outcome, never a score from too few judges.
+Pure functions. How the call path is meant to use them (a route with `votes = k`): it makes
+the k calls (distinct backends, or one asked k times), each under its own backend's limits,
+retries and breaker, turns each into a `Vote(backend name, score or the ScoringError it ended
+with)`, and calls `aggregate(votes, how, quorum)`: the score with `detail=json.dumps(detail)`,
+or the PermanentError it raises as the sample's outcome (Outcome.failed). A vote that failed
+is excluded from the score and counted; fewer valid votes than the quorum is an `error`
+outcome, never a score from too few judges.
 """
 
 from __future__ import annotations

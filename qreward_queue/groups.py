@@ -18,6 +18,14 @@ answers with a JSON list (scores in response order) or a JSON object keyed by re
 at the end of its reply, or, with a `score_pattern` of two capture groups (number, score), with
 tagged scores such as "[2] Score: 0.7". A reply that does not give exactly one valid score per
 response is an error for the whole group; a group is never scored in part.
+
+How the call path is meant to use it (a backend file with `mode = "group"`): the planner cuts
+chunks out of whole `plan_groups` entries only; the judge kind's call renders one message per
+group, estimates its TPM cost from that message plus max_tokens, and maps its reply with
+`parse_group_scores(reply, len(group), pattern, score_range)`. The PermanentError it raises
+becomes every sample's outcome of that group (Outcome.failed); retries, failover and the breaker
+see one call. The config loader checks a backend's keys with `template_problem` and
+`pattern_problem`.
 """
 
 from __future__ import annotations
