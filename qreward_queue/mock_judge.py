@@ -126,6 +126,11 @@ class MockJudgeSettings:
     group_reply: str = "list"  # how a group's scores are written: list | object | tagged
     group_fault_rate: float = 0.0  # fraction of group requests answered with a group fault
 
+    def __post_init__(self) -> None:
+        if self.group_reply not in GROUP_REPLIES:
+            raise ValueError(f"group_reply must be one of {', '.join(GROUP_REPLIES)}, "
+                             f"got {self.group_reply!r}")
+
 
 def verdict(text: str) -> float:
     """The judge's score for a text: (crc32 % 101) / 100, so tests can predict every score."""

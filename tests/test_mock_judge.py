@@ -501,6 +501,11 @@ def test_split_group_reads_head_and_responses_and_refuses_bad_numbering() -> Non
     assert split_group(skipped) is None  # then it is one sample, scored as a whole
 
 
+def test_an_unknown_group_reply_style_is_refused_at_once() -> None:
+    with pytest.raises(ValueError, match="group_reply must be one of list, object, tagged"):
+        MockJudgeSettings(group_reply="yaml")
+
+
 def test_a_text_that_is_not_a_group_keeps_the_single_verdict(group_judge) -> None:
     text = group_text().replace('<response id="1">', '<response id="0">')
     assert ask(group_judge.url, text) == f"The response was assessed. Score: {verdict(text):.2f}"
