@@ -185,7 +185,7 @@ def run_client(env: dict, client: str, rows: list[dict], processes: int) -> Run:
         limit_per_s=SERVER_RPM / 60, server_429=stats["rate_limited"], server_requests=requests,
         not_ok=not_ok, wrong=wrong, p50_ms=percentile(latencies, 50),
         p99_ms=percentile(latencies, 99),
-        worker_cpu_ms_per_request=worker_cpu * 1000 / requests if client != "verl_rate_limited"
+        worker_cpu_ms_per_request=worker_cpu * 1000 / requests if env["workers"]
         and requests else None,
         extra={"processes": processes if client != "submit_batch" else 1,
                "lost": len(rows) - len(results),
