@@ -66,6 +66,7 @@ LATENCY_CV = 0.5
 WORKERS = 2
 TRAINERS = 4
 PROBE_S = 10.0
+POLL_S = 0.02  # how often the benchmark looks at a qrq batch's outcomes so far
 REFILL_S = 1.5  # between runs: the judge's and the limiter's one-second buckets refill
 LEGEND = """\
 legend: per_s = n / wall_s; of_limit = per_s over the judge's real limit (50/s); ok/s = samples
@@ -73,7 +74,9 @@ legend: per_s = n / wall_s; of_limit = per_s over the judge's real limit (50/s);
   without a real score; wrong = scores handed over as real that disagree with the judge's rule
   (a silent 0.0 counts, a flagged qrq fallback not); p50/p99 = per-sample latency from the
   client committing a slot to the score (qrq: task start, limiter wait included; naive: request
-  loop); cpu_ms/req = CPU of the qrq worker processes over judge requests"""
+  loop); cpu_ms/req = CPU of the qrq worker processes over judge requests; submit-to-outcome =
+  from submit_batch until the sample's outcome is visible (partial()), its median against an
+  ideal first-in-first-out client at the limit (the judge's bucket of 50, then 50/s, + 200 ms)"""
 CLIENTS = ("qrq", "naive", "async_semaphore", "three_layer", "token_throttle")
 
 
@@ -222,11 +225,42 @@ def run_qrq(env: Env, scenario: str, samples: list[dict], probe: bool = False) -
     cpu0 = sum(w.cpu_s() for w in env.workers)
     p = Probe(env).start() if probe else None
     started = time.perf_counter()
-    outcomes = qreward_queue.submit_batch(samples, route=BACKEND, app=env.app).outcomes()
+    batch = qreward_queue.submit_batch(samples, route=BACKEND, app=env.app)
+    arrived = arrivals(batch, started)
+    outcomes = batch.outcomes()
     wall = time.perf_counter() - started
     cpu = sum(w.cpu_s() for w in env.workers) - cpu0
     return finish_run(env, scenario, "qrq", samples, qrq_results(outcomes), wall, p, cpu,
-                      **qrq_extra(outcomes))
+                      **qrq_extra(outcomes), **arrival_figures(arrived))
+
+
+def arrivals(batch, started: float) -> list[float]:
+    """Seconds from submit until each sample's outcome was first visible to the trainer
+    (`partial()`, looked at every POLL_S while the batch is not done)."""
+    seen: list[float | None] = [None] * len(batch)
+    while True:
+        finished = batch.done()
+        now = time.perf_counter() - started
+        for i, outcome in enumerate(batch.partial()):
+            if outcome is not None and seen[i] is None:
+                seen[i] = now
+        if finished:
+            return [now if s is None else s for s in seen]
+        time.sleep(POLL_S)
+
+
+def fifo_p50_s(n: int) -> float:
+    """The median submit-to-outcome of an ideal first-in-first-out client at the judge's limit:
+    sample k starts once the judge's full one-second bucket (50) and then 50/s admit it, and
+    ends one mean latency later."""
+    rate = SERVER_RPM / 60
+    return percentile([max(0, k + 1 - rate) / rate + LATENCY_MS / 1000 for k in range(n)], 50)
+
+
+def arrival_figures(arrived: list[float]) -> dict:
+    p50, fifo = percentile(arrived, 50), fifo_p50_s(len(arrived))
+    return {"submit_to_outcome_p50_s": round(p50, 2), "fifo_at_limit_p50_s": round(fifo, 2),
+            "submit_to_outcome_vs_fifo": round(p50 / fifo, 2)}
 
 
 def run_baseline(env: Env, scenario: str, client: str, samples: list[dict], fn,
@@ -331,6 +365,10 @@ def scenario_s1(args) -> tuple[list[Run], list[str]]:
             log(f"S1 qrq: {len(samples)} samples")
             runs.append(run_qrq(env, "S1", samples))
             stop_workers(env)
+            e = runs[-1].extra
+            notes.append(f"qrq: median submit-to-outcome {e['submit_to_outcome_p50_s']:.2f} s; "
+                         f"first-in-first-out at the limit {e['fifo_at_limit_p50_s']:.2f} s "
+                         f"({e['submit_to_outcome_vs_fifo']:.2f}x)")
         b = env.backend
         if "naive" in args.clients:
             first = samples[: args.naive_n]
@@ -459,6 +497,13 @@ def targets(runs: list[Run]) -> list[tuple[str, bool, str]]:
                     r.fraction_of_limit >= 0.95, f"{r.fraction_of_limit:.1%}"))
         out.append((f"{scenario} qrq 429s <= 1% of requests", r.pct_429 <= 1.0,
                     f"{r.server_429}/{r.server_requests} = {r.pct_429:.2f}%"))
+    r = qrq("S1")
+    if r is not None and "submit_to_outcome_p50_s" in r.extra:
+        e = r.extra
+        out.append(("S1 qrq median submit-to-outcome <= 1.1x first-in-first-out at the limit",
+                    e["submit_to_outcome_vs_fifo"] <= 1.1,
+                    f"{e['submit_to_outcome_p50_s']:.2f} s vs {e['fifo_at_limit_p50_s']:.2f} s "
+                    f"= {e['submit_to_outcome_vs_fifo']:.2f}x"))
     r = qrq("S3")
     if r is not None and "after10_requests" in r.extra:
         e = r.extra

@@ -13,6 +13,9 @@ The judge is S1's (3000 rpm = 50/s, 64 in flight, 200 ms mean latency, cv 0.5); 
   verl_rate_limited  the baseline: verl's rate-limited manager style (in-process RPM bucket +
                    semaphore(64) + timeout, failures a silent 0.0) in each of `processes`
                    processes, each configured with the judge's full limit, as verl does.
+  verl_light       the judge not saturated: 4 coroutines each awaiting one sample at a time
+                   through compute_score (64 samples); p50/p99 are each call's own wait.
+  judge_light      its reference: the same 4-at-a-time calls straight to the judge (aiohttp).
 Columns as in flow_control.py; the JSON lines add `client_cpu_ms_per_sample` (CPU time of the
 trainer processes over the scoring, poller and flusher threads included, per sample),
 `groups` (Celery groups published, i.e. submit_batch calls) and `lost` (samples with no
@@ -50,12 +53,14 @@ from common import (
 
 import qreward_queue
 from qreward_queue.demo import expected_scores, grpo_batch
+from qreward_queue.integrations.batcher import default_batcher
 from qreward_queue.integrations.coerce import make_sample
 from qreward_queue.mock_judge import MockJudgeSettings, spawn
 
 SERVER_RPM, SERVER_CONCURRENT, LATENCY_MS, LATENCY_CV = 3000, 64, 200.0, 0.5
 WORKERS, WORKER_THREADS = 2, 32
 REFILL_S = 1.5
+LIGHT_CALLERS, LIGHT_SAMPLES = 4, 64  # the unsaturated phase: 4 callers, one sample at a time
 
 
 def log(message: str) -> None:
@@ -82,7 +87,6 @@ def _trainer(kind: str, config_path: str, rows: list[dict], barrier, queue, inde
         config = qreward_queue.load_config(config_path)
         if kind == "verl_adapter":
             from qreward_queue.integrations import verl
-            from qreward_queue.integrations.batcher import default_batcher
 
             qreward_queue.configure(config)
 
@@ -95,6 +99,33 @@ def _trainer(kind: str, config_path: str, rows: list[dict], barrier, queue, inde
             results = [SampleResult(d["score"], d["qrq_ok"] == 1.0, 0.0, d["qrq_ok"] != 1.0)
                        for d in dicts]
             groups = default_batcher().batches_sent
+        elif kind == "verl_light":
+            from qreward_queue.integrations import verl
+
+            qreward_queue.configure(config)
+
+            async def one_by_one(part: list[int]) -> None:
+                for i in part:
+                    begun = time.perf_counter()
+                    d = await verl.compute_score(**rows[i], route=BACKEND)
+                    timed[i] = (d, (time.perf_counter() - begun) * 1000)
+
+            async def light_loop():
+                await asyncio.gather(*(one_by_one(list(range(k, len(rows), LIGHT_CALLERS)))
+                                       for k in range(LIGHT_CALLERS)))
+            timed: list = [None] * len(rows)
+            barrier.wait()
+            started, cpu0 = time.time(), time.process_time()
+            asyncio.run(light_loop())
+            results = [SampleResult(d["score"], d["qrq_ok"] == 1.0, ms, d["qrq_ok"] != 1.0)
+                       for d, ms in timed]
+            groups = default_batcher().batches_sent
+        elif kind == "judge_light":
+            samples = [as_sample(r) for r in rows]
+            barrier.wait()
+            started, cpu0 = time.time(), time.process_time()
+            results = baselines.async_semaphore(config.backend(BACKEND), samples, LIGHT_CALLERS)
+            groups = 0
         elif kind == "submit_batch":
             app = qreward_queue.configure(config)
             barrier.wait()
@@ -154,7 +185,7 @@ def run_client(env: dict, client: str, rows: list[dict], processes: int) -> Run:
         limit_per_s=SERVER_RPM / 60, server_429=stats["rate_limited"], server_requests=requests,
         not_ok=not_ok, wrong=wrong, p50_ms=percentile(latencies, 50),
         p99_ms=percentile(latencies, 99),
-        worker_cpu_ms_per_request=worker_cpu * 1000 / requests if client != "verl_rate_limited"
+        worker_cpu_ms_per_request=worker_cpu * 1000 / requests if env["workers"]
         and requests else None,
         extra={"processes": processes if client != "submit_batch" else 1,
                "lost": len(rows) - len(results),
@@ -182,14 +213,21 @@ def scenario(args) -> tuple[list[Run], list[str]]:
             for client, processes in [("verl_adapter", args.processes), ("submit_batch", 1)]:
                 log(f"{client}: {len(rows)} samples from {processes} process(es)")
                 runs.append(run_client(env, client, rows, processes))
+            log(f"verl_light: {LIGHT_CALLERS} per-sample callers, one sample at a time")
+            runs.append(run_client(env, "verl_light", rows[:LIGHT_SAMPLES], 1))
         finally:
             for w in workers:
                 w.stop()
         env["workers"] = []
         log(f"verl_rate_limited: {args.processes} processes")
         runs.append(run_client(env, "verl_rate_limited", rows, args.processes))
+        log(f"judge_light: {LIGHT_CALLERS} direct callers, one sample at a time")
+        runs.append(run_client(env, "judge_light", rows[:LIGHT_SAMPLES], 1))
     notes = [f"{r.client}: client CPU {r.extra['client_cpu_ms_per_sample']} ms/sample, "
              f"{r.extra['groups']} groups, {r.extra['lost']} lost" for r in runs]
+    notes.append(f"verl_light / judge_light: {LIGHT_CALLERS} callers each awaiting one sample "
+                 f"at a time (judge not saturated); p50/p99 = each call's own wait, through "
+                 f"qrq's per-sample path vs straight to the judge")
     return runs, notes
 
 
@@ -204,6 +242,12 @@ def targets(runs: list[Run]) -> list[tuple[str, bool, str]]:
                  f"{r.server_429}/{r.server_requests} = {r.pct_429:.2f}%"),
                 ("verl adapter 0 wrong, 0 lost", r.wrong == 0 and r.extra["lost"] == 0,
                  f"wrong {r.wrong}, lost {r.extra['lost']}")]
+        light, judge = by.get("verl_light"), by.get("judge_light")
+        if light is not None and judge is not None and light.p50_ms and judge.p50_ms:
+            ratio = light.p50_ms / judge.p50_ms
+            out.append(("per-sample caller p50 <= 2x the judge's own p50 (judge not saturated)",
+                        ratio <= 2.0, f"{light.p50_ms:.0f} ms vs {judge.p50_ms:.0f} ms = "
+                                      f"{ratio:.2f}x"))
         for other in ("submit_batch", "verl_rate_limited"):
             if other in by and by[other].ok_per_s > 0:
                 out.append((f"verl adapter / {other} (ok samples/s)", True,

@@ -2,8 +2,9 @@
 
 validate -> dedup -> cache lookup -> plan chunks over the route (weight x free capacity)
 -> group(score_chunk...) on per-backend priority queues
--> RewardBatch: poll results, put each outcome back at its input index(es), cache new scores,
-   resubmit work that will never come back, and honour the deadline
+-> RewardBatch: poll results, put each outcome back at its input index(es) as its sample
+   finishes (the workers' record log) and as its chunk does (the task's result), cache new
+   scores, resubmit work that will never come back, and honour the deadline
    (while outstanding it holds a lease in Redis; cancel() or an interrupted wait ends it, and
    workers then make no new call for the batch)
 """
@@ -56,6 +57,11 @@ class RewardBatch:
     batch raises, and when every awaiter of the batch is cancelled. A client that dies stops
     renewing the batch's lease, and workers stop calling for it within `lease_s`.
 
+    Outcomes come in as their samples finish (`partial()`, `completed`, `on_outcome`), not
+    only when their whole chunk does. An outcome once handed over is never replaced: should a
+    sample be scored twice (a chunk sent again while its first run still went on), the first
+    outcome to arrive is the one the batch keeps, its cache entry included.
+
     Example:
         >>> batch = submit_batch([{"prompt": "2+2?", "response": "4"}], route="math")
         >>> batch.get()
@@ -78,6 +84,8 @@ class RewardBatch:
         self._copies = copies
         self.batch_id = uuid.uuid4().hex
         self._outcomes: list[Outcome | None] = [None] * len(samples)
+        self._listeners: list[Callable[[int, Outcome], None]] = []
+        self._log_read = 0  # entries of the batch's record log placed so far
         for i, outcome in enumerate(outcomes):
             if outcome is not None:
                 self._place(i, outcome)
@@ -129,6 +137,15 @@ class RewardBatch:
     def partial(self) -> list[Outcome | None]:
         """The outcomes so far, in input order (None: not yet); never polls or blocks."""
         return list(self._outcomes)
+
+    def on_outcome(self, callback: Callable[[int, Outcome], None]) -> None:
+        """Call `callback(index, outcome)` for each outcome as it comes in, and at once for
+        those already in. It runs on the thread that polls the batch (any wait, `done()`, the
+        asyncio poller while the batch is awaited): keep it short."""
+        self._listeners.append(callback)
+        for i, outcome in enumerate(self._outcomes):
+            if outcome is not None:
+                callback(i, outcome)
 
     def outcomes(self, timeout: float | None = None) -> list[Outcome]:
         """Full outcome records in input order; see `get` for the waiting rules. A wait that
@@ -185,8 +202,7 @@ class RewardBatch:
                 if i in recorded:
                     self._place(i, Outcome.from_dict(recorded[i]))
                 else:
-                    self._place(i, Outcome.failed(why))
-                    cancelled += 1
+                    cancelled += self._place(i, Outcome.failed(why))
         self._pending.clear()
         self._finished = time.monotonic()
         return cancelled
@@ -279,12 +295,12 @@ class RewardBatch:
         pending, wait_s = dict(self._pending), self._wait_s(until)
         try:
             if self.app.qrq_config.embedded:
-                metas, lost = self._look_up(pending)
+                metas, logged, lost = self._look_up(pending)
             else:  # one read in flight at a time, however long Redis hangs
                 if self._look is None:
                     self._look = redis_wait.submit(lambda: self._look_up(pending))
                     self._look_since = time.time()
-                metas, lost = redis_wait.result(self._look, wait_s)
+                metas, logged, lost = redis_wait.result(self._look, wait_s)
                 self._look = None
         except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
             if self._look is not None and self._look.done():
@@ -296,7 +312,7 @@ class RewardBatch:
                 self._quiet_until = time.monotonic() + RECOVERY_GRACE_S
             return  # Redis is restarting or frozen: try again at the next poll, until the deadline
         self._outage.over()
-        self._collect(metas, until)
+        self._collect(metas, until, logged)
         if not self._pending:
             self._done(until)
         if lost and time.time() < self.deadline:
@@ -306,14 +322,32 @@ class RewardBatch:
             with contextlib.suppress(redis.RedisError, kombu.exceptions.OperationalError, OSError):
                 self.send(list(lost.values()))
 
-    def _collect(self, metas: dict[str, dict], until: float | None = None) -> None:
+    def _collect(self, metas: dict[str, dict], until: float | None = None,
+                 logged: Sequence[tuple[int, dict]] = ()) -> None:
+        """Place the samples the workers recorded (`logged`: the log read from `_log_read` on)
+        and the outcomes of the chunks whose tasks ended (`metas`); cache the new scores."""
+        self._log_read += len(logged)
+        fresh: dict[str, Outcome] = {}
+        for i, data in logged:
+            self._place_fresh(i, Outcome.from_dict(data), fresh)
         collected = [t for t, meta in metas.items()
                      if meta["status"] in READY_STATES and t in self._pending]
         for task_id in collected:
-            self._settle(self._pending.pop(task_id), metas[task_id])
+            chunk = self._pending.pop(task_id)
+            for i, outcome in zip(chunk.indices, _chunk_outcomes(chunk, metas[task_id]),
+                                  strict=True):
+                self._place_fresh(i, outcome, fresh)
+        if self.cache and fresh:  # best effort: a Redis hiccup costs a cache entry, not a score
+            with contextlib.suppress(redis.RedisError, OSError):
+                self._within(until, lambda: self.cache.put_many(fresh))
         if collected:  # read once, never again: the expiry stays as the safety net
             with contextlib.suppress(redis.RedisError, OSError):
                 self._within(until, lambda: self.app.backend.forget_many(collected))
+
+    def _place_fresh(self, i: int, outcome: Outcome, fresh: dict[str, Outcome]) -> None:
+        """Place an outcome a worker sent; a new real score goes into `fresh` (to cache)."""
+        if self._place(i, outcome) and self.cache and outcome.status == "ok":
+            fresh[content_key(self.samples[i])] = outcome
 
     def _done(self, until: float | None = None) -> None:
         """Every outcome is in: workers may drop any copy of the batch's work still around."""
@@ -334,11 +368,15 @@ class RewardBatch:
             return fn()
         return redis_wait.within(self._wait_s(until), fn)
 
-    def _look_up(self, pending: dict[str, Chunk]) -> tuple[dict[str, dict], dict[str, Chunk]]:
+    def _look_up(self, pending: dict[str, Chunk]
+                 ) -> tuple[dict[str, dict], list[tuple[int, dict]], dict[str, Chunk]]:
+        """The chunks' results, the record log's new entries, the chunks lost. The log is read
+        first: a chunk whose result is in has its records in the log read with it."""
+        logged = records.read_log(self.app.store, self.batch_id, self._log_read)
         metas = self._read_metas(pending)
         lost = self._lost_chunks(metas, pending)
         self._no_worker.check(c.backend for c in pending.values())
-        return metas, lost
+        return metas, logged, lost
 
     def _read_metas(self, pending: dict[str, Chunk]) -> dict[str, dict]:
         backend = self.app.backend
@@ -380,43 +418,42 @@ class RewardBatch:
             self._unheld = set()
         return lost
 
-    def _settle(self, chunk: Chunk, meta: dict) -> None:
-        status, result = meta["status"], meta.get("result")
-        if status == "SUCCESS" and isinstance(result, list) and len(result) == len(chunk.indices):
-            outcomes = [Outcome.from_dict(d) for d in result]
-        else:
-            error = (
-                DeadlineExceeded("the task expired at the deadline")
-                if status == "REVOKED"
-                else ScoringError(f"task {status}: {_describe(result)}")
-            )
-            outcomes = [Outcome.failed(error) for _ in chunk.indices]
-        fresh = {}
-        for i, outcome in zip(chunk.indices, outcomes, strict=True):
-            self._place(i, outcome)
-            if self.cache and outcome.status == "ok":
-                fresh[content_key(self.samples[i])] = outcome
-        if self.cache and fresh:  # best effort: a Redis hiccup costs a cache entry, not a score
-            with contextlib.suppress(redis.RedisError, OSError):
-                self._within(None, lambda: self.cache.put_many(fresh))
-
     def _expire(self) -> None:
         for chunk in self._pending.values():
             why = "no result by the batch deadline"
             if chunk.backend in self._no_worker.warned:  # so the caller's summary says why
                 why += f": {self._no_worker.cause(chunk.backend)}"
             for i in chunk.indices:
-                self._place(i, Outcome.failed(DeadlineExceeded(why)))
+                self._place(i, Outcome.failed(DeadlineExceeded(why)))  # where none came yet
         self._pending.clear()
         self._finished = time.monotonic()
         lease.release(self.batch_id)  # no Redis write: it may be what made us late
 
-    def _place(self, i: int, outcome: Outcome) -> None:
+    def _place(self, i: int, outcome: Outcome) -> bool:
         """The one place an outcome gets its sample's id and, on failure, the fallback score;
-        identical samples scored once get a copy each."""
+        identical samples scored once get a copy each. A sample keeps the first outcome placed
+        (what a trainer may already hold is never contradicted); True if this one was."""
+        if self._outcomes[i] is not None:
+            return False
         fallback = self.app.qrq_config.fallback_score
         for j in [i, *self._copies.get(i, ())]:
             self._outcomes[j] = outcome.placed(_id(self.samples[j]), fallback)
+            for listener in self._listeners:
+                listener(j, self._outcomes[j])
+        return True
+
+
+def _chunk_outcomes(chunk: Chunk, meta: dict) -> list[Outcome]:
+    """A finished task's outcomes, one per sample of its chunk (its failure, for each)."""
+    status, result = meta["status"], meta.get("result")
+    if status == "SUCCESS" and isinstance(result, list) and len(result) == len(chunk.indices):
+        return [Outcome.from_dict(d) for d in result]
+    error = (
+        DeadlineExceeded("the task expired at the deadline")
+        if status == "REVOKED"
+        else ScoringError(f"task {status}: {_describe(result)}")
+    )
+    return [Outcome.failed(error) for _ in chunk.indices]
 
 
 def _sizes(chunks: list[Chunk], config) -> dict[str, int]:

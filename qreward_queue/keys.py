@@ -59,6 +59,12 @@ def records(batch_id: str) -> str:
     return f"{PREFIX}done:{batch_id}"
 
 
+def record_log(batch_id: str) -> str:
+    """List of a batch's finished samples in the order they were recorded (`[index, outcome]`
+    JSON), which the client reads from where it left off to hand each outcome over at once."""
+    return f"{PREFIX}donelog:{batch_id}"
+
+
 DEAD_LETTERS = f"{PREFIX}dead-letters"  # malformed task messages, newest first, kept to inspect
 
 

@@ -131,14 +131,17 @@ def test_cancelled_awaiters_cancel_the_batch_but_the_micro_batcher_keeps_the_res
     shared = samples_for(60, "shared")
     futures = [batcher.submit(s, route="j") for s in shared]
     wait_for(lambda: requests(judge) >= 10, 30, "the first calls")
-    assert all(f.cancel() for f in futures[1:])
+    left = futures[-1]  # the last sample: not scored yet (8 calls of 300 ms at a time)
+    gave_up = [f for f in futures[:-1] if f.cancel()]  # those served already cannot give up
+    assert gave_up and not left.done()
     # Then the one left gets its score: the batch went on for it
-    assert futures[0].result(timeout=60).score == expected(app, "j", shared[0])
+    assert left.result(timeout=60).score == expected(app, "j", shared[-1])
     # And when all of another micro-batch's callers give up, its calls stop
     judge.reset()
     gone = [batcher.submit(s, route="j") for s in samples_for(200, "gone")]
     wait_for(lambda: requests(judge) >= 10, 30, "the first calls")
-    assert all(f.cancel() for f in gone)
+    gave_up = [f for f in gone if f.cancel()]  # every caller not yet served gives up
+    assert len(gave_up) > 150 and all(f.done() for f in gone)
     assert calls_stop(judge) < 10 + 2 * CALLS + 10  # started + in flight, not the 200
 
 

@@ -381,6 +381,19 @@ def test_deadline_gives_timeout_with_the_fallback_and_returns_on_time(setup, jud
     assert batch.done() and batch.completed == 6
 
 
+def test_a_chunks_finished_samples_arrive_before_its_hanging_one(setup, judge):
+    config = judge_setup(setup, judge, chunk_size=8)  # the 8 samples: one task
+    samples = samples_(8)
+    samples[3]["response"] = "[[mock:hang]]"  # answered after the judge's 3 s hang
+    batch = qreward_queue.submit_batch(samples, route="grade")
+    wait_for(lambda: batch.completed == 7, 10, "the seven fast samples")
+    early = batch.partial()
+    assert early[3] is None and not batch.done()
+    outcomes = batch.outcomes()
+    assert [o for i, o in enumerate(outcomes) if i != 3] == [o for o in early if o is not None]
+    assert [o.score for o in outcomes] == expected(config, "a", samples)
+
+
 def test_embedded_mode_runs_the_same_lua_limiter_on_fakeredis(setup, make_judge):
     # Given a judge that answers 429 above 600 rpm (10/s, a bucket of 10) and 4 concurrent
     judge = make_judge(rpm=600, max_concurrent=4, latency_ms=20)

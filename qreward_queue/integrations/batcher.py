@@ -5,8 +5,10 @@ submit_batch per sample would cost a Celery group and a result poll each; here c
 per (route, priority, deadline) and one flusher thread sends each queue as one batch when it
 holds `max_items` samples or its oldest sample has waited `max_wait_ms`. Outcomes come back
 through the process's aio poller, so callers on any event loop, or plain threads, hold no
-thread while they wait. Routes and priorities are never mixed in one batch. A batch whose
-callers have all been cancelled is cancelled too; while one of them still waits, it goes on.
+thread while they wait; each caller gets its outcome as soon as its own sample is scored, not
+when the whole batch is. Routes and priorities are never mixed in one batch. A batch that
+nobody waits for any more (its callers served or cancelled, one at least cancelled) is
+cancelled too; while one of them still waits, it goes on.
 """
 
 from __future__ import annotations
@@ -144,11 +146,13 @@ class MicroBatcher:
                 _settle(future, exc)
             return
         self.batches_sent += 1
+        batch.on_outcome(lambda i, outcome: _settle(items[i][1], outcome))
         watched = aio.watch(batch)
         watched.add_done_callback(lambda done: _distribute(done, items))
 
         def caller_gone(_: Future) -> None:  # the last caller gone: nobody waits any more
-            if all(f.cancelled() for _, f in items):
+            futures = [f for _, f in items]
+            if all(f.done() for f in futures) and any(f.cancelled() for f in futures):
                 watched.cancel()
 
         for _, future in items:
@@ -156,7 +160,8 @@ class MicroBatcher:
 
 
 def _distribute(done: Future, items: list[tuple[dict, Future]]) -> None:
-    if done.cancelled():  # every caller was cancelled: nobody to tell
+    """The batch is over: whoever still waits learns its outcome (or the batch's error)."""
+    if done.cancelled():  # every caller was served or cancelled: nobody to tell
         return
     error = done.exception()
     outcomes = done.result() if error is None else [error] * len(items)
