@@ -19,17 +19,17 @@ from celery.backends.redis import RedisBackend, SentinelBackend
 from celery.signals import task_received, worker_ready
 from kombu import Queue
 
-from . import keys, kombu_fix, liveness, redis_conn, tasks
+from . import keys, kombu_fix, liveness, redis_conn
 from .breaker import CircuitBreaker
 from .config import Backend, Config
 from .lease import BatchWatch
 from .limiter import Limiter
 from .liveness import HEARTBEAT_S, HELD_TTL_S
+from .priority import Priority
 from .spend import Ledger
 
 kombu_fix.install()  # a Redis restart must not kill the worker (see kombu_fix)
 
-PRIORITIES = {"val": 0, "train": 6, "bulk": 9}  # on Redis 0 is served first
 EMBEDDED_FINISH_DELAY_S = 0.01
 REDIS_READ_TIMEOUT_S = 3.0  # qrq's own Redis reads (client polls, limiter, cache)
 
@@ -47,6 +47,8 @@ class QrqCelery(Celery):
         self.conf.task_queues = [
             Queue(b.queue, routing_key=b.queue) for b in config.backends.values()
         ]
+        from . import tasks  # the worker's side: a trainer's import does not load it
+
         tasks.register(self)
 
     @cached_property
@@ -127,7 +129,7 @@ def celery_settings(config: Config) -> dict:
         "result_serializer": "json",
         "accept_content": ["json"],
         "result_accept_content": ["json"],
-        "task_default_priority": PRIORITIES["train"],
+        "task_default_priority": Priority.TRAIN.level,
         "task_queue_max_priority": 9,
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
@@ -220,13 +222,14 @@ def _start_heartbeat(sender, **_) -> None:
     app = sender.app
     if not isinstance(app, QrqCelery) or app.qrq_config.embedded:
         return
+    from .tasks import pool_sizes
+
     queues = list(app.amqp.queues.consume_from or {})  # also tells clients who serves a queue
 
     def beat() -> None:
         while True:
             with contextlib.suppress(redis.RedisError):  # Redis restarting: beat again later
-                liveness.beat(app.store, sender.hostname, queues, HEARTBEAT_TTL_S,
-                              tasks.pool_sizes())
+                liveness.beat(app.store, sender.hostname, queues, HEARTBEAT_TTL_S, pool_sizes())
             time.sleep(HEARTBEAT_S)
 
     threading.Thread(target=beat, daemon=True, name="qrq-heartbeat").start()
