@@ -21,6 +21,8 @@ from urllib.parse import quote, urlsplit
 import redis
 from redis.sentinel import Sentinel
 
+from .redact import redact_url
+
 if TYPE_CHECKING:
     from .config import Config
 
@@ -139,8 +141,6 @@ def celery_settings(config: Config, transport: dict, result_transport: dict) -> 
 def describe(config: Config) -> str:
     """Where Redis is, without passwords (for messages and logs)."""
     if not is_sentinel(config.redis_url):
-        from .config import redact_url
-
         return redact_url(config.redis_url or "")
     nodes = ", ".join(f"{h}:{p}" for h, p in sentinel_addresses(config.redis_url))
     return f"service {config.redis_service_name!r} via sentinels {nodes}"
