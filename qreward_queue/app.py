@@ -14,8 +14,6 @@ from functools import cached_property
 
 import redis
 from celery import Celery
-from celery.backends.cache import CacheBackend
-from celery.backends.redis import RedisBackend, SentinelBackend
 from celery.signals import task_received, worker_ready
 from kombu import Queue
 
@@ -154,7 +152,7 @@ def celery_settings(config: Config) -> dict:
     if config.embedded:
         settings.update(
             broker_url="memory://",
-            result_backend="qreward_queue.app:QrqCacheBackend+memory://",
+            result_backend="qreward_queue.results:QrqCacheBackend+memory://",
             broker_transport_options={"polling_interval": 0.001},
         )
     else:
@@ -171,38 +169,6 @@ def celery_settings(config: Config) -> dict:
 
 
 HEARTBEAT_TTL_S = 15
-
-
-class _NoRetryState:
-    """Result stores that skip the RETRY state, which the client never reads.
-
-    Celery publishes a retry before it stores RETRY; a retry onto a sibling's queue can finish
-    in between, and its SUCCESS would then be overwritten by the late RETRY.
-    """
-
-    def mark_as_retry(self, *args, **kwargs) -> None:
-        return None
-
-
-class QrqRedisBackend(_NoRetryState, RedisBackend):
-    """RewardBatch polls results with MGET, so no pub/sub subscription per published task."""
-
-    def on_task_call(self, producer, task_id) -> None:
-        return None
-
-    def forget_many(self, task_ids: list[str]) -> None:
-        """Drop results the client has read (one DEL; `result_expires` stays the safety net)."""
-        self.client.delete(*(self.get_key_for_task(t) for t in task_ids))
-
-
-class QrqSentinelBackend(QrqRedisBackend, SentinelBackend):
-    """The same result store on the current primary of a Sentinel group."""
-
-
-class QrqCacheBackend(_NoRetryState, CacheBackend):
-    def forget_many(self, task_ids: list[str]) -> None:
-        for task_id in task_ids:
-            self.delete(self.get_key_for_task(task_id))
 
 
 @task_received.connect

@@ -121,7 +121,7 @@ def celery_settings(config: Config, transport: dict, result_transport: dict) -> 
     if not is_sentinel(url):
         return {
             "broker_url": url,
-            "result_backend": f"qreward_queue.app:QrqRedisBackend+{url}",
+            "result_backend": f"qreward_queue.results:QrqRedisBackend+{url}",
             "broker_transport_options": transport,
             "result_backend_transport_options": result_transport,
         }
@@ -132,7 +132,7 @@ def celery_settings(config: Config, transport: dict, result_transport: dict) -> 
     url = SEPARATOR.join(urlsplit(c)._replace(path=f"/{db}").geturl() for c in url.split(SEPARATOR))
     return {
         "broker_url": url,
-        "result_backend": f"qreward_queue.app:QrqSentinelBackend+{url}",
+        "result_backend": f"qreward_queue.results:QrqSentinelBackend+{url}",
         "broker_transport_options": {**transport, **sentinel},
         "result_backend_transport_options": {**result_transport, **sentinel},
     }

@@ -151,9 +151,16 @@ TRAINER_IMPORTS = (
 )
 
 
+
+@pytest.mark.xfail(
+    "qreward_queue.tasks" in import_graph()["qreward_queue.client"], strict=True,
+    reason="the client imports tasks.py for the task's name and argsrepr until the task's "
+           "message contract has its own module")
 @pytest.mark.parametrize("statement", TRAINER_IMPORTS)
 def test_a_trainer_import_loads_no_worker_module(statement):
+    """In a fresh interpreter, as a trainer (or its framework's reward hook) starts."""
     code = f"import json, sys; {statement}; print(json.dumps(sorted(sys.modules)))"
-    loaded = set(json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True,
-                                           text=True, check=True).stdout))
-    assert not loaded & set(WORKER_ONLY), sorted(loaded & set(WORKER_ONLY))
+    loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True,
+                                       text=True, check=True).stdout)
+    heavy = sorted(set(loaded) & set(WORKER_ONLY))
+    assert not heavy, f"{statement!r} loads {heavy}"
