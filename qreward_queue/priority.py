@@ -32,6 +32,11 @@ class Priority(str, Enum):
             raise ValueError(f"priority must be one of {choices}, got {value!r}") from None
 
     @classmethod
+    def marked(cls, mark: object) -> Priority:
+        """A sample's `qrq_priority` mark as trainer frameworks carry it: val, else train."""
+        return cls.VAL if mark == cls.VAL else cls.TRAIN
+
+    @classmethod
     def name_of(cls, level: int) -> str:
         """The priority queued at `level` (the bare number for a level qrq never uses)."""
         return next((p.value for p in cls if LEVELS[p] == level), str(level))
