@@ -114,7 +114,7 @@ def celery_settings(config: Config) -> dict:
     """Every Celery setting qrq relies on, with the reason for each in the README."""
     transport = {
         "queue_order_strategy": "priority",
-        "priority_steps": list(range(10)),
+        "priority_steps": list(range(keys.PRIORITY_LEVELS)),
         "sep": ":",
         "global_keyprefix": keys.PREFIX,
         "visibility_timeout": config.visibility_timeout_s,
@@ -128,7 +128,7 @@ def celery_settings(config: Config) -> dict:
         "accept_content": ["json"],
         "result_accept_content": ["json"],
         "task_default_priority": Priority.TRAIN.level,
-        "task_queue_max_priority": 9,
+        "task_queue_max_priority": keys.PRIORITY_LEVELS - 1,
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
         "task_retry_on_worker_lost": True,
