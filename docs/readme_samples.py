@@ -159,7 +159,7 @@ def demo(_: str) -> str:
 
 
 def redact(url: str) -> str:
-    from qreward_queue.config import redact_url
+    from qreward_queue.redact import redact_url
 
     return redact_url(url)
 

@@ -14,22 +14,20 @@ from functools import cached_property
 
 import redis
 from celery import Celery
-from celery.backends.cache import CacheBackend
-from celery.backends.redis import RedisBackend, SentinelBackend
 from celery.signals import task_received, worker_ready
 from kombu import Queue
 
-from . import keys, kombu_fix, liveness, redis_conn, tasks
+from . import keys, kombu_fix, liveness, redis_conn
 from .breaker import CircuitBreaker
 from .config import Backend, Config
 from .lease import BatchWatch
 from .limiter import Limiter
 from .liveness import HEARTBEAT_S, HELD_TTL_S
+from .priority import Priority
 from .spend import Ledger
 
 kombu_fix.install()  # a Redis restart must not kill the worker (see kombu_fix)
 
-PRIORITIES = {"val": 0, "train": 6, "bulk": 9}  # on Redis 0 is served first
 EMBEDDED_FINISH_DELAY_S = 0.01
 REDIS_READ_TIMEOUT_S = 3.0  # qrq's own Redis reads (client polls, limiter, cache)
 
@@ -47,6 +45,8 @@ class QrqCelery(Celery):
         self.conf.task_queues = [
             Queue(b.queue, routing_key=b.queue) for b in config.backends.values()
         ]
+        from . import tasks  # the worker's side: a trainer's import does not load it
+
         tasks.register(self)
 
     @cached_property
@@ -114,7 +114,7 @@ def celery_settings(config: Config) -> dict:
     """Every Celery setting qrq relies on, with the reason for each in the README."""
     transport = {
         "queue_order_strategy": "priority",
-        "priority_steps": list(range(10)),
+        "priority_steps": list(range(keys.PRIORITY_LEVELS)),
         "sep": ":",
         "global_keyprefix": keys.PREFIX,
         "visibility_timeout": config.visibility_timeout_s,
@@ -127,8 +127,8 @@ def celery_settings(config: Config) -> dict:
         "result_serializer": "json",
         "accept_content": ["json"],
         "result_accept_content": ["json"],
-        "task_default_priority": PRIORITIES["train"],
-        "task_queue_max_priority": 9,
+        "task_default_priority": Priority.TRAIN.level,
+        "task_queue_max_priority": keys.PRIORITY_LEVELS - 1,
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
         "task_retry_on_worker_lost": True,
@@ -152,7 +152,7 @@ def celery_settings(config: Config) -> dict:
     if config.embedded:
         settings.update(
             broker_url="memory://",
-            result_backend="qreward_queue.app:QrqCacheBackend+memory://",
+            result_backend="qreward_queue.results:QrqCacheBackend+memory://",
             broker_transport_options={"polling_interval": 0.001},
         )
     else:
@@ -169,38 +169,6 @@ def celery_settings(config: Config) -> dict:
 
 
 HEARTBEAT_TTL_S = 15
-
-
-class _NoRetryState:
-    """Result stores that skip the RETRY state, which the client never reads.
-
-    Celery publishes a retry before it stores RETRY; a retry onto a sibling's queue can finish
-    in between, and its SUCCESS would then be overwritten by the late RETRY.
-    """
-
-    def mark_as_retry(self, *args, **kwargs) -> None:
-        return None
-
-
-class QrqRedisBackend(_NoRetryState, RedisBackend):
-    """RewardBatch polls results with MGET, so no pub/sub subscription per published task."""
-
-    def on_task_call(self, producer, task_id) -> None:
-        return None
-
-    def forget_many(self, task_ids: list[str]) -> None:
-        """Drop results the client has read (one DEL; `result_expires` stays the safety net)."""
-        self.client.delete(*(self.get_key_for_task(t) for t in task_ids))
-
-
-class QrqSentinelBackend(QrqRedisBackend, SentinelBackend):
-    """The same result store on the current primary of a Sentinel group."""
-
-
-class QrqCacheBackend(_NoRetryState, CacheBackend):
-    def forget_many(self, task_ids: list[str]) -> None:
-        for task_id in task_ids:
-            self.delete(self.get_key_for_task(task_id))
 
 
 @task_received.connect
@@ -220,13 +188,14 @@ def _start_heartbeat(sender, **_) -> None:
     app = sender.app
     if not isinstance(app, QrqCelery) or app.qrq_config.embedded:
         return
+    from .tasks import pool_sizes
+
     queues = list(app.amqp.queues.consume_from or {})  # also tells clients who serves a queue
 
     def beat() -> None:
         while True:
             with contextlib.suppress(redis.RedisError):  # Redis restarting: beat again later
-                liveness.beat(app.store, sender.hostname, queues, HEARTBEAT_TTL_S,
-                              tasks.pool_sizes())
+                liveness.beat(app.store, sender.hostname, queues, HEARTBEAT_TTL_S, pool_sizes())
             time.sleep(HEARTBEAT_S)
 
     threading.Thread(target=beat, daemon=True, name="qrq-heartbeat").start()

@@ -43,6 +43,11 @@ class CircuitBreaker:
         """True while the backend should get no new work (cooling down)."""
         return bool(self.store.exists(self.open_key))
 
+    def state(self) -> str:
+        """closed, half-open (tripped, cooldown over, waiting for a probe's success) or open."""
+        is_open, tripped = self.store.mget(self.open_key, self.tripped)
+        return "open" if is_open else "half-open" if tripped else "closed"
+
     def allow(self) -> bool:
         """May this caller use the backend now? In half-open state only the one prober may.
 

@@ -58,3 +58,12 @@ class ScoreCache:
                 pipe.set(self.prefix + key, json.dumps({"score": o.score, "backend": o.backend}),
                          px=self.ttl_ms)
             pipe.execute()
+
+
+def record_cache(store: redis.Redis, route: str, lookups: int, hits: int) -> None:
+    """Count a batch's cache lookups and hits in Redis, where `qrq exporter` reads them."""
+    if lookups:
+        with store.pipeline(transaction=False) as pipe:
+            pipe.hincrby(keys.cache_stats(route), "lookups", lookups)
+            pipe.hincrby(keys.cache_stats(route), "hits", hits)
+            pipe.execute()

@@ -31,6 +31,7 @@ from .config import (
 from .errors import ConfigError, QrqError
 from .extras import missing_extra
 from .mock_judge import mock_judge_cli
+from .priority import Priority
 from .runtime import check_redis, describe_mode, redis_problem
 
 EXIT_SOME_NOT_SCORED, EXIT_USAGE, EXIT_NONE_SCORED = 1, 2, 3
@@ -130,7 +131,8 @@ def demo(config_path: str | None, route: str | None, prompts: int) -> None:
 )
 @click.option("--route", help="Route to score on (default: the config's default route).")
 @click.option(
-    "--priority", type=click.Choice(["val", "train", "bulk"]), default="bulk", show_default=True,
+    "--priority", type=click.Choice([p.value for p in Priority]), default=Priority.BULK.value,
+    show_default=True,
     help="val is served before train, train before bulk.",
 )
 @click.option("--deadline-s", type=float, help="Return by then; the rest comes back as timeout.")
@@ -285,7 +287,7 @@ def worker(
     if metrics_port:
         from .metrics import serve_worker
 
-        serve_worker(metrics_port)
+        serve_worker(metrics_port, TASK_NAME)
         click.echo(f"metrics on :{metrics_port}/metrics")
     click.echo(
         describe_mode(config) + f"; worker for backend {backend.name!r} on queue {backend.queue}"
@@ -393,7 +395,7 @@ def plan(config_path, route, n, prompt_tokens, response_tokens, latency_ms, metr
 def exporter(config_path: str | None, port: int, host: str) -> None:
     """Serve the shared Redis state (queues by priority, leases, limits, breaker) to Prometheus."""
     from .app import QrqCelery
-    from .metrics import serve_exporter
+    from .exporter import serve_exporter
 
     config = load_config(config_path)
     if config.embedded:

@@ -23,19 +23,19 @@ import kombu.exceptions
 import redis
 from celery.states import READY_STATES
 
-from . import keys, lease, metrics, records, redis_conn, redis_wait, spend
-from .app import HEARTBEAT_S, PRIORITIES, REDIS_READ_TIMEOUT_S, QrqCelery
-from .cache import ScoreCache, content_key, reward_identity
+from . import keys, lease, records, redis_conn, redis_wait, spend
+from .app import HEARTBEAT_S, REDIS_READ_TIMEOUT_S, QrqCelery
+from .cache import ScoreCache, content_key, record_cache, reward_identity
 from .capacity import count_queued, queue_depth, route_shares
 from .config import Route
 from .errors import Cancelled, DeadlineExceeded, RedisUnreachable, ScoringError
 from .liveness import NoWorkerWatch
+from .priority import Priority
 from .routing import Chunk, plan
 from .runtime import get_app, redis_problem
 from .samples import Outcome, summarize, validate_samples
 from .tasks import TASK_NAME, summary
 
-Priority = Literal["val", "train", "bulk"]
 POLL_INTERVAL_S = 0.02
 LIVENESS_CHECK_S = 2.0
 QUICK_POLL_S = 0.05  # done()/completed wait no longer for Redis; the read goes on meanwhile
@@ -473,7 +473,7 @@ def _describe(result: Any) -> str:
 def submit_batch(
     samples: Sequence[dict],
     route: str | None = None,
-    priority: Priority = "train",
+    priority: Priority | str = Priority.TRAIN,
     deadline_s: float | None = None,
     on_invalid: Literal["raise", "outcome"] = "raise",
     app: QrqCelery | None = None,
@@ -488,8 +488,7 @@ def submit_batch(
     """
     app = app or get_app()
     config = app.qrq_config
-    if priority not in PRIORITIES:
-        raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}, got {priority!r}")
+    level = Priority.parse(priority).level
     if on_invalid not in ("raise", "outcome"):
         raise ValueError(f"on_invalid must be 'raise' or 'outcome', got {on_invalid!r}")
     the_route = config.route(route)
@@ -515,12 +514,12 @@ def submit_batch(
     def queue() -> RewardBatch:
         hits = cache.get_many(list(first)) if cache else {}
         if cache:
-            metrics.record_cache(app.store, the_route.name, len(first), len(hits))
+            record_cache(app.store, the_route.name, len(first), len(hits))
         for key, outcome in hits.items():
             outcomes[first[key]] = outcome
         todo = [i for key, i in first.items() if key not in hits]
         batch = RewardBatch(
-            app, the_route, samples, outcomes, copies, cache, PRIORITIES[priority], deadline
+            app, the_route, samples, outcomes, copies, cache, level, deadline
         )
         batch.send(plan(config, the_route, todo, route_shares(app, the_route, len(todo))))
         return batch
@@ -538,7 +537,7 @@ def _id(sample: Any) -> Any:
 def score(
     samples: Sequence[dict],
     route: str | None = None,
-    priority: Priority = "train",
+    priority: Priority | str = Priority.TRAIN,
     deadline_s: float | None = None,
     **kwargs: Any,
 ) -> list[float]:

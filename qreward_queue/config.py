@@ -16,7 +16,6 @@ from collections.abc import Collection
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 from .errors import ConfigError, UnknownRoute
 from .ratelimit_headers import DEFAULT_MAX_PAUSE_S
@@ -40,17 +39,6 @@ SCORE_MATCHES = ("unique", "first", "last")
 _RATE_LIMIT = re.compile(r"^\d+(\.\d+)?/[smh]$")
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 PACKAGED_CONFIG = Path(__file__).resolve().parent / "defaults" / "qrq.toml"
-
-
-def redact_url(url: str) -> str:
-    """`url` without user name or password, safe for messages and logs."""
-    parts = urlsplit(url)
-    if parts.username is None and parts.password is None:
-        return url
-    netloc = parts.hostname or ""
-    if parts.port:
-        netloc += f":{parts.port}"
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def expand_env(value: str, where: str) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+from urllib.parse import urlsplit, urlunsplit
 
 MASK = "[REDACTED]"
 MIN_QUOTE = 8  # a quoted run of a key this long is a leak; shorter runs are noise
@@ -101,3 +102,14 @@ def install_log_filter(logger: logging.Logger | None = None) -> None:
     for handler in (logger or logging.getLogger()).handlers:
         if not any(isinstance(f, RedactingFilter) for f in handler.filters):
             handler.addFilter(RedactingFilter())
+
+
+def redact_url(url: str) -> str:
+    """`url` without user name or password, safe for messages and logs."""
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    netloc = parts.hostname or ""
+    if parts.port:
+        netloc += f":{parts.port}"
+    return urlunsplit(parts._replace(netloc=netloc))

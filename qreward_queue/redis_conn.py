@@ -21,6 +21,8 @@ from urllib.parse import quote, urlsplit
 import redis
 from redis.sentinel import Sentinel
 
+from .redact import redact_url
+
 if TYPE_CHECKING:
     from .config import Config
 
@@ -119,7 +121,7 @@ def celery_settings(config: Config, transport: dict, result_transport: dict) -> 
     if not is_sentinel(url):
         return {
             "broker_url": url,
-            "result_backend": f"qreward_queue.app:QrqRedisBackend+{url}",
+            "result_backend": f"qreward_queue.results:QrqRedisBackend+{url}",
             "broker_transport_options": transport,
             "result_backend_transport_options": result_transport,
         }
@@ -130,7 +132,7 @@ def celery_settings(config: Config, transport: dict, result_transport: dict) -> 
     url = SEPARATOR.join(urlsplit(c)._replace(path=f"/{db}").geturl() for c in url.split(SEPARATOR))
     return {
         "broker_url": url,
-        "result_backend": f"qreward_queue.app:QrqSentinelBackend+{url}",
+        "result_backend": f"qreward_queue.results:QrqSentinelBackend+{url}",
         "broker_transport_options": {**transport, **sentinel},
         "result_backend_transport_options": {**result_transport, **sentinel},
     }
@@ -139,8 +141,6 @@ def celery_settings(config: Config, transport: dict, result_transport: dict) -> 
 def describe(config: Config) -> str:
     """Where Redis is, without passwords (for messages and logs)."""
     if not is_sentinel(config.redis_url):
-        from .config import redact_url
-
         return redact_url(config.redis_url or "")
     nodes = ", ".join(f"{h}:{p}" for h, p in sentinel_addresses(config.redis_url))
     return f"service {config.redis_service_name!r} via sentinels {nodes}"

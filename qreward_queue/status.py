@@ -12,6 +12,8 @@ from .capacity import TYPICAL_BATCH, queue_depth, queue_depths
 from .config import Config
 from .limiter import CLAIM_WINDOW_S, CORROBORATE
 from .liveness import call_pools, live_workers
+from .plan import samples_per_call
+from .priority import Priority
 from .routing import chunk_size
 from .spend import backend_spend
 
@@ -42,9 +44,6 @@ def snapshot(app: QrqCelery, previous: dict | None = None) -> dict:
 
     With the `previous` snapshot, `drain_per_s` is how fast the queue emptied since then and
     the ETA uses it; otherwise the ETA assumes the backend runs at its rate limit."""
-    from .metrics import PRIORITY_NAMES, breaker_state
-    from .plan import samples_per_call
-
     now = time.time()
     before = {b["backend"]: b for b in (previous or {}).get("backends", [])}
     rows = backend_rows(app)
@@ -52,10 +51,10 @@ def snapshot(app: QrqCelery, previous: dict | None = None) -> dict:
         backend = app.backend_config(row["backend"])
         per_call = samples_per_call(backend)
         depths = queue_depths(app.store, backend.queue)
-        row["queued_by_priority"] = {PRIORITY_NAMES.get(p, str(p)): n
-                                     for p, n in depths.items() if n}
+        row["queued_by_priority"] = {Priority.name_of(level): n
+                                     for level, n in depths.items() if n}
         row["queued_samples"] = row["queued"] * chunk_size(backend, TYPICAL_BATCH)
-        row["breaker"] = breaker_state(app, row["backend"])
+        row["breaker"] = app.breaker(row["backend"]).state()
         rpm = row.get("limits", {}).get("rpm", {}).get("per_minute")
         row["limit_samples_per_s"] = rpm / 60 * per_call if rpm else None
         prev = before.get(row["backend"])
@@ -76,7 +75,7 @@ def _fmt(value: float | None, spec: str = ".0f") -> str:
 def render_snapshot(snap: dict) -> str:
     """One line per backend, as `qrq status` and `qrq status --watch` show it."""
     lines = [
-        f"{'backend':<14}{'kind':<13}{'queued':>7}{'workers':>8} {'val/train/bulk':>15}"
+        f"{'backend':<14}{'kind':<13}{'queued':>7}{'workers':>8} {'/'.join(Priority):>15}"
         f"{'rpm now/cfg':>14}"
         f"{'tpm level/cap':>16}{'leases':>8}{'adapt':>6}{'429s/60s':>9}{'paused':>7}"
         f"{'breaker':>10}{'eta_s':>7}"
@@ -85,7 +84,7 @@ def render_snapshot(snap: dict) -> str:
         limits = row.get("limits", {})
         rpm, tpm = limits.get("rpm"), limits.get("tpm")
         by = row["queued_by_priority"]
-        split = "/".join(str(by.get(p, 0)) for p in ("val", "train", "bulk"))
+        split = "/".join(str(by.get(p, 0)) for p in Priority)
         rate = f"{rpm['per_minute']:.0f}/{rpm['configured_per_minute']:.0f}" if rpm else "-"
         level = f"{tpm['level']:.0f}/{tpm['capacity']:.0f}" if tpm else "-"
         leases = f"{row.get('leases_in_use', 0)}/{row.get('max_concurrent') or '-'}"

@@ -19,7 +19,7 @@ import yaml
 from support import ROOT, Worker, free_port, judge_backend, wait_for, write_config
 
 import qreward_queue
-from qreward_queue.app import PRIORITIES, QrqCelery
+from qreward_queue.app import QrqCelery
 from qreward_queue.backends.http import post_json
 from qreward_queue.config import (
     PACKAGED_CONFIG,
@@ -32,6 +32,7 @@ from qreward_queue.config import (
 from qreward_queue.errors import TransientError
 from qreward_queue.keys import queue_lists
 from qreward_queue.mock_judge import MockJudge, MockJudgeSettings
+from qreward_queue.priority import Priority
 
 
 def qrq(*args: str, cwd: Path, env: dict | None = None, timeout: float = 120):
@@ -356,13 +357,13 @@ def test_k8s_has_one_deployment_per_pool_scaled_on_its_real_lists(file, redis_ur
     # Given one message per priority on the backend's queue, the triggers name those lists
     config = load_config(ROOT / "qrq.toml")
     app = QrqCelery(dataclasses.replace(config, redis_url=redis_url))
-    for priority in PRIORITIES.values():
-        app.send_task("qrq.score_chunk", kwargs={}, queue=backend.queue, priority=priority)
+    for priority in Priority:
+        app.send_task("qrq.score_chunk", kwargs={}, queue=backend.queue, priority=priority.level)
     store = redis.Redis.from_url(redis_url)
     lists = {k.decode() for k in store.keys("qrq:qrq.*") if store.type(k) == b"list"}
     watched = {t["listName"] for t in triggers}  # every priority level kombu may use
     assert lists <= watched == set(queue_lists(backend.queue))
-    assert sum(store.llen(name) for name in watched) == len(PRIORITIES)
+    assert sum(store.llen(name) for name in watched) == len(Priority)
 
 
 def test_connection_failure_names_the_url_without_credentials():

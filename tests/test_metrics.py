@@ -162,7 +162,7 @@ def test_grafana_dashboard_uses_only_exported_metric_names(tmp_path):
 
     from prometheus_client import CollectorRegistry
 
-    from qreward_queue import metrics
+    from qreward_queue import exporter, metrics
     from qreward_queue.app import QrqCelery
 
     registry = CollectorRegistry()
@@ -170,7 +170,7 @@ def test_grafana_dashboard_uses_only_exported_metric_names(tmp_path):
     config_path = write_config(tmp_path, {"ja": judge_backend(URL_UNUSED, rpm=60)},
                                routes={"r": {"backends": ["ja"], "cache": True}})
     app = QrqCelery(qrq.load_config(config_path))  # embedded: the exporter reads fakeredis
-    families = [*registry.collect(), *metrics.RedisStateCollector(app).collect()]
+    families = [*registry.collect(), *exporter.RedisStateCollector(app).collect()]
     exported = set()
     for family in families:
         if family.name.startswith("qrq_"):

@@ -37,7 +37,7 @@ def test_sentinels_in_qrq_toml_become_celerys_sentinel_url_with_the_master_name(
     settings = celery_settings(config)
     url = "sentinel://:r-secret@10.0.0.1:26379/2;sentinel://:r-secret@10.0.0.2:26380/2"
     assert settings["broker_url"] == url
-    assert settings["result_backend"] == f"qreward_queue.app:QrqSentinelBackend+{url}"
+    assert settings["result_backend"] == f"qreward_queue.results:QrqSentinelBackend+{url}"
     for options in (settings["broker_transport_options"],
                     settings["result_backend_transport_options"]):
         assert options["master_name"] == "qrq"

@@ -14,7 +14,7 @@ from support import expected, judge_backend, start_workers, write_config
 from test_chaos import hostile
 
 import qreward_queue
-from qreward_queue import metrics
+from qreward_queue import exporter
 from qreward_queue.cli import cli
 from qreward_queue.mock_judge import MockJudgeSettings, spawn
 
@@ -71,7 +71,7 @@ def test_spend_per_backend_in_summary_status_and_the_exporter(tmp_path, redis_ur
             f"{truth['completion_tokens']:,} out, cost {cost:.4f}") in table, table
     assert "mute: spent 10 calls" in table and "(10 estimated)" in table, table
     # and the exporter's counters
-    families = {f.name: f for f in metrics.RedisStateCollector(app).collect()}
+    families = {f.name: f for f in exporter.RedisStateCollector(app).collect()}
     tokens = {(s.labels["backend"], s.labels["direction"]): s.value
               for s in families["qrq_spend_tokens"].samples}
     assert tokens[("j", "in")] == truth["prompt_tokens"]

@@ -28,9 +28,10 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from ..config import Backend, redact_url
+from ..config import Backend
 from ..errors import PermanentError, RateLimited, TransientError
 from ..ratelimit_headers import RateLimitHeaders
+from ..redact import redact_url
 
 MAX_REPLY_BYTES = 8 << 20
 CONNECT_TIMEOUT_S = 5.0

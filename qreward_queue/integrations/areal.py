@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ..priority import Priority
 from .batcher import default_batcher
 from .coerce import make_sample
 from .guard import require_shared_limits, unscored_error
@@ -47,7 +48,7 @@ async def score_episode(prompt: str, completion: str, task_data: Mapping[str, An
     reference = next((task_data[k] for k in REFERENCE_KEYS if task_data.get(k) is not None),
                      None)
     outcome = await default_batcher().score(make_sample(prompt, completion, reference), route,
-                                            "val" if evaluation else "train")
+                                            Priority.VAL if evaluation else Priority.TRAIN)
     if not outcome.scored and on_unscored == "raise":
         raise unscored_error(outcome)
     return float(outcome.score)

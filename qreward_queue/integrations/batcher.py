@@ -22,7 +22,8 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 from .. import aio
-from ..client import Priority, submit_batch
+from ..client import submit_batch
+from ..priority import Priority
 from ..samples import Outcome
 
 _Key = tuple[str | None, str, float | None]
@@ -67,7 +68,7 @@ class MicroBatcher:
         self,
         sample: dict,
         route: str | None = None,
-        priority: Priority = "train",
+        priority: Priority | str = Priority.TRAIN,
         deadline_s: float | None = None,
     ) -> Future:
         """Queue one sample; the returned Future resolves to its Outcome."""
@@ -89,7 +90,7 @@ class MicroBatcher:
         self,
         sample: dict,
         route: str | None = None,
-        priority: Priority = "train",
+        priority: Priority | str = Priority.TRAIN,
         deadline_s: float | None = None,
     ) -> Outcome:
         """Score one sample from any event loop; cancelling this call affects no other."""
@@ -99,7 +100,7 @@ class MicroBatcher:
         self,
         samples: Sequence[dict],
         route: str | None = None,
-        priority: Priority | Sequence[Priority] = "train",
+        priority: Priority | str | Sequence[Priority | str] = Priority.TRAIN,
         deadline_s: float | None = None,
     ) -> list[Outcome]:
         """Score samples (one priority, or one per sample) through the same queues."""
@@ -206,7 +207,7 @@ if hasattr(os, "register_at_fork"):
 async def score_one(
     sample: dict,
     route: str | None = None,
-    priority: Priority = "train",
+    priority: Priority | str = Priority.TRAIN,
     deadline_s: float | None = None,
 ) -> Outcome:
     """Score one sample through this process's micro-batcher (await it from any loop)."""
@@ -216,7 +217,7 @@ async def score_one(
 def score_one_sync(
     sample: dict,
     route: str | None = None,
-    priority: Priority = "train",
+    priority: Priority | str = Priority.TRAIN,
     deadline_s: float | None = None,
 ) -> Outcome:
     """score_one for threads: blocks the calling thread until the outcome is in."""

@@ -23,7 +23,7 @@ from typing import Any
 
 from aiohttp import web
 
-from ..client import Priority
+from ..priority import Priority
 from ..runtime import get_app
 from ..samples import Outcome
 from .batcher import MicroBatcher
@@ -75,7 +75,7 @@ class Gateway:
             if key not in body:
                 raise web.HTTPBadRequest(text=f"bad slime request: missing field '{key}'")
         sample = make_sample(body["prompt"], body["response"], body.get("label"))
-        priority = "val" if (body.get("metadata") or {}).get("qrq_priority") == "val" else "train"
+        priority = Priority.marked((body.get("metadata") or {}).get("qrq_priority"))
         [outcome] = await self.score([sample], self.slime_deadline_s, priority)
         return web.json_response(float(outcome.score))
 
@@ -85,7 +85,7 @@ class Gateway:
                                   "batches_sent": self.batcher.batches_sent})
 
     async def score(self, samples: Sequence[dict], deadline_s: float,
-                    priority: Priority = "train") -> list[Outcome]:
+                    priority: Priority | str = Priority.TRAIN) -> list[Outcome]:
         """Outcomes by deadline_s (+ grace) at the latest; failures become fallback outcomes."""
         self.pending += len(samples)
         try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+from ..priority import Priority
 from ..samples import Outcome
 from .batcher import default_batcher
 from .coerce import make_sample
@@ -59,6 +60,6 @@ def reward_func(queries: list[str], prompts: list[str], labels: list[str]) -> di
     """OpenRLHF file mode: called positionally, synchronously (in a thread), lists of one."""
     route = os.environ.get("QRQ_ROUTE") or None
     batcher = default_batcher()
-    futures = [batcher.submit(s, route, "train", DEADLINE_S)
+    futures = [batcher.submit(s, route, Priority.TRAIN, DEADLINE_S)
                for s in samples_of(queries, prompts, labels)]
     return reply([f.result() for f in futures])

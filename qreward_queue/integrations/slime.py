@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ..priority import Priority
 from .batcher import default_batcher
 from .coerce import make_sample
 from .guard import require_shared_limits
@@ -25,9 +26,7 @@ async def rm(args: Any, sample_or_samples: Any, **_: Any) -> float | list[float]
     require_shared_limits("slime")
     samples = sample_or_samples if isinstance(sample_or_samples, list) else [sample_or_samples]
     route = getattr(args, "qrq_route", None) or os.environ.get("QRQ_ROUTE") or None
-    priorities = [
-        "val" if (s.metadata or {}).get("qrq_priority") == "val" else "train" for s in samples
-    ]
+    priorities = [Priority.marked((s.metadata or {}).get("qrq_priority")) for s in samples]
     outcomes = await default_batcher().score_many(
         [make_sample(s.prompt, s.response, s.label) for s in samples], route, priorities
     )

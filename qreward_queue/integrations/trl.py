@@ -19,6 +19,7 @@ import os
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from ..priority import Priority
 from ..samples import summarize
 from .batcher import default_batcher
 from .coerce import make_sample
@@ -52,10 +53,10 @@ def qrq_reward(
             require_shared_limits("TRL with several processes")
         refs = next((columns[c] for c in reference_columns if c in columns), None)
         refs = refs if refs is not None else [None] * len(completions)
-        column = columns.get("qrq_priority") or ["train"] * len(completions)
+        column = columns.get("qrq_priority") or [Priority.TRAIN] * len(completions)
         samples = [make_sample(p, c, r) for p, c, r in zip(prompts, completions, refs,
                                                              strict=True)]
-        priorities = [priority or ("val" if p == "val" else "train") for p in column]
+        priorities = [priority or Priority.marked(p) for p in column]
         outcomes = await default_batcher().score_many(samples, route, priorities, deadline_s)
         if log_extra is not None:
             log_extra(f"{name}_status", [o.status for o in outcomes])

@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ..priority import Priority
 from ..samples import Outcome
 from .batcher import default_batcher
 from .coerce import make_sample, render_chat
@@ -55,9 +56,9 @@ EXTRA_KEYS = ("acc", "qrq_ok", "qrq_status", "qrq_backend")
 def priority_of(extra_info: Mapping | None) -> str:
     """`val` for validation rows (explicit qrq_priority, or the preprocess scripts' split)."""
     extra = extra_info or {}
-    if extra.get("qrq_priority") in ("val", "train", "bulk"):
+    if extra.get("qrq_priority") in {p.value for p in Priority}:
         return str(extra["qrq_priority"])
-    return "val" if str(extra.get("split", "")).lower() in VAL_SPLITS else "train"
+    return Priority.VAL if str(extra.get("split", "")).lower() in VAL_SPLITS else Priority.TRAIN
 
 
 def extra_info_of(outcome: Outcome) -> dict[str, float | str]:

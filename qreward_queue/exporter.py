@@ -1,0 +1,120 @@
+"""`qrq exporter`: qrq's shared state in Redis, read for every Prometheus scrape.
+
+One exporter reads what every worker and client share (queues, leases, the adaptive limit,
+the breaker, spend, cache use), so nothing is counted once per worker; the workers' own
+counters are `metrics.py`'s. Needs the `metrics` extra (prometheus_client).
+
+Metrics (labels):
+    qrq_queue_depth{backend,priority}              messages waiting, per priority level
+    qrq_leases_in_use{backend}, qrq_max_concurrent{backend}, qrq_adaptive_limit{backend}
+    qrq_rate_limit_per_minute{backend,limit}       the limiter's current rate (rpm, tpm)
+    qrq_bucket_level{backend,limit}                tokens left in the bucket (negative: booked)
+    qrq_recent_429s{backend}, qrq_paused_seconds{backend}
+    qrq_breaker_state{backend}                     0 closed, 1 half-open, 2 open
+    qrq_workers_alive                              worker nodes with a fresh heartbeat
+    qrq_cache_lookups_total{route}, qrq_cache_hits_total{route}
+    qrq_spend_calls_total{backend}                 calls made (every worker, all time)
+    qrq_spend_tokens_total{backend,direction}      their tokens, direction in | out
+    qrq_spend_estimated_calls_total{backend}       calls whose reply gave no usage (estimated)
+    qrq_spend_cost_total{backend}                  their cost, with a [price] in the backend file
+    qrq_budget_limit{backend,cap}, qrq_budget_used{backend,cap}   each [budget] cap and its use
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from . import keys
+from .app import QrqCelery
+from .capacity import queue_depths
+from .extras import require
+from .priority import Priority
+from .status import backend_rows
+
+BREAKER_STATES = {"closed": 0, "half-open": 1, "open": 2}
+
+
+class RedisStateCollector:
+    """A prometheus_client collector that reads qrq's shared state from Redis per scrape."""
+
+    def __init__(self, app: QrqCelery):
+        self.app = app
+
+    def describe(self) -> list:
+        return []  # not known before a scrape; keeps registration from calling collect()
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        app = self.app
+        g = {name: GaugeMetricFamily(f"qrq_{name}", doc, labels=labels) for name, doc, labels in (
+            ("queue_depth", "Messages waiting in a backend's queue", ["backend", "priority"]),
+            ("leases_in_use", "Concurrency leases held now", ["backend"]),
+            ("max_concurrent", "Configured concurrency limit", ["backend"]),
+            ("adaptive_limit", "Concurrency limit the AIMD controller allows now", ["backend"]),
+            ("rate_limit_per_minute", "Rate the limiter enforces now", ["backend", "limit"]),
+            ("bucket_level", "Units left in the bucket (negative: booked ahead)",
+             ["backend", "limit"]),
+            ("recent_429s", "429s answered in the last minute", ["backend"]),
+            ("paused_seconds", "Seconds left in a 429 pause", ["backend"]),
+            ("breaker_state", "Circuit breaker: 0 closed, 1 half-open, 2 open", ["backend"]),
+        )}
+        spend = {name: CounterMetricFamily(f"qrq_spend_{name}", doc, labels=labels)
+                 for name, doc, labels in (
+                     ("calls", "Backend calls made", ["backend"]),
+                     ("tokens", "Tokens of backend calls", ["backend", "direction"]),
+                     ("estimated_calls", "Calls whose reply gave no usage", ["backend"]),
+                     ("cost", "Cost of backend calls (per the [price])", ["backend"]))}
+        budget = {name: GaugeMetricFamily(f"qrq_budget_{name}", doc, labels=["backend", "cap"])
+                  for name, doc in (("limit", "A budget cap"), ("used", "A budget cap's use"))}
+        for row in backend_rows(app):
+            name = row["backend"]
+            total = row["spend"]["total"]
+            spend["calls"].add_metric([name], total["calls"])
+            spend["tokens"].add_metric([name, "in"], total["tokens_in"])
+            spend["tokens"].add_metric([name, "out"], total["tokens_out"])
+            spend["estimated_calls"].add_metric([name], total["estimated_calls"])
+            spend["cost"].add_metric([name], total["cost"])
+            for cap, figures in row["spend"]["budgets"].items():
+                budget["limit"].add_metric([name, cap], figures["limit"])
+                budget["used"].add_metric([name, cap], figures["used"])
+            queue = app.backend_config(name).queue
+            for level, depth in queue_depths(app.store, queue).items():
+                g["queue_depth"].add_metric([name, Priority.name_of(level)], depth)
+            g["breaker_state"].add_metric([name], BREAKER_STATES[app.breaker(name).state()])
+            if "leases_in_use" not in row:
+                continue  # no limits configured: nothing more to show
+            g["leases_in_use"].add_metric([name], row["leases_in_use"])
+            g["max_concurrent"].add_metric([name], row["max_concurrent"] or 0)
+            g["adaptive_limit"].add_metric([name], row["adaptive_limit"] or 0)
+            g["recent_429s"].add_metric([name], row["recent_429s"])
+            g["paused_seconds"].add_metric([name], row["paused_for_s"])
+            for limit, figures in row["limits"].items():
+                g["rate_limit_per_minute"].add_metric([name, limit], figures["per_minute"])
+                g["bucket_level"].add_metric([name, limit], figures["level"])
+        yield from g.values()
+        yield from spend.values()
+        yield from budget.values()
+        alive = GaugeMetricFamily("qrq_workers_alive", "Worker nodes with a fresh heartbeat")
+        alive.add_metric([], sum(1 for _ in app.store.scan_iter(keys.alive("*"), count=1000)))
+        yield alive
+        lookups = CounterMetricFamily("qrq_cache_lookups", "Score cache lookups", labels=["route"])
+        hits = CounterMetricFamily("qrq_cache_hits", "Score cache hits", labels=["route"])
+        for route in app.qrq_config.routes.values():
+            if route.cache:
+                stats = app.store.hgetall(keys.cache_stats(route.name))
+                lookups.add_metric([route.name], int(stats.get(b"lookups", 0)))
+                hits.add_metric([route.name], int(stats.get(b"hits", 0)))
+        yield lookups
+        yield hits
+
+
+def serve_exporter(app: QrqCelery, port: int, host: str = "0.0.0.0") -> None:
+    """Serve the Redis state on `host:port`/metrics (returns; the server runs in a thread)."""
+    require("prometheus_client", "Prometheus metrics")
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    registry = CollectorRegistry()
+    registry.register(RedisStateCollector(app))
+    start_http_server(port, addr=host, registry=registry)
