@@ -26,7 +26,7 @@ from . import keys, lease, metrics, records, redis_conn, redis_wait, spend
 from .app import HEARTBEAT_S, PRIORITIES, REDIS_READ_TIMEOUT_S, QrqCelery
 from .cache import ScoreCache, content_key, reward_identity
 from .capacity import count_queued, queue_depth, route_shares
-from .config import Route
+from .config import Config, Route
 from .errors import Cancelled, DeadlineExceeded, RedisUnreachable, ScoringError
 from .liveness import NoWorkerWatch
 from .routing import Chunk, plan
@@ -66,7 +66,7 @@ class RewardBatch:
         self,
         app: QrqCelery,
         route: Route,
-        samples: Sequence[dict],
+        samples: Sequence[dict[str, Any]],
         outcomes: list[Outcome | None],
         copies: dict[int, list[int]],
         cache: ScoreCache | None,
@@ -87,11 +87,13 @@ class RewardBatch:
         self._unheld: set[str] = set()
         self._quiet_until = 0.0  # no task is judged lost before (see RECOVERY_GRACE_S)
         self._no_worker = NoWorkerWatch(app)
-        self._look: Future | None = None  # the poll's read of Redis still in flight
+        # the poll's read of Redis still in flight
+        self._look: Future[tuple[dict[str, dict[str, Any]], dict[str, Chunk]]] | None = None
         self._look_since = time.time()  # and when it began
         self._outage = redis_wait.Outage(redis_conn.describe(app.qrq_config))
         self.resubmitted = 0
-        self._started, self._finished = time.monotonic(), None
+        self._started = time.monotonic()
+        self._finished: float | None = None
 
     def __len__(self) -> int:
         return len(self._outcomes)
@@ -169,9 +171,9 @@ class RewardBatch:
         if not self._pending:
             return 0
         store, pending = self.app.store, [i for c in self._pending.values() for i in c.indices]
-        recorded: dict[int, dict] = {}
+        recorded: dict[int, dict[str, Any]] = {}
 
-        def stop_and_read() -> dict[int, dict]:
+        def stop_and_read() -> dict[int, dict[str, Any]]:
             lease.end(store, self.batch_id, lease.CANCELLED, self._keep_s())
             self._collect(self._read_metas(dict(self._pending)))
             return records.read(store, self.batch_id, pending)
@@ -200,7 +202,7 @@ class RewardBatch:
 
     def get(self, timeout: float | None = None) -> list[float]:
         """Scores in input order; raises TimeoutError if `timeout` ends before the deadline."""
-        return [o.score for o in self.outcomes(timeout)]
+        return [o.score for o in self.outcomes(timeout)]  # type: ignore[misc]  # placed: scored
 
     scores = get
 
@@ -212,7 +214,7 @@ class RewardBatch:
 
     def __await__(self) -> Generator[Any, None, list[float]]:
         async def scores() -> list[float]:
-            return [o.score for o in await self.outcomes_async()]
+            return [o.score for o in await self.outcomes_async()]  # type: ignore[misc]  # placed
 
         return scores().__await__()
 
@@ -253,17 +255,17 @@ class RewardBatch:
                 for queue, n in _sizes(chunks, config).items():
                     count_queued(self.app.store, queue, n)
             if self._sentinel:
-                self._set_sentinel()
+                self._set_sentinel(self._sentinel)
 
         self._within(self.deadline, publish)
 
-    def _set_sentinel(self) -> None:
+    def _set_sentinel(self, sentinel: str) -> None:
         """Redis losing its data (a restart without persistence) takes this key with it; the
         lease is set first, so that no worker sees the sentinel without a live lease."""
         ttl_ms = lease.key_ttl_ms(self.app.qrq_config.lease_s)
         with self.app.store.pipeline(transaction=False) as pipe:
             pipe.set(keys.lease(self.batch_id), lease.LIVE, px=ttl_ms)
-            pipe.set(self._sentinel, 1, px=int(self._keep_s() * 1000))
+            pipe.set(sentinel, 1, px=int(self._keep_s() * 1000))
             pipe.execute()
 
     def _keep_s(self) -> float:
@@ -306,7 +308,7 @@ class RewardBatch:
             with contextlib.suppress(redis.RedisError, kombu.exceptions.OperationalError, OSError):
                 self.send(list(lost.values()))
 
-    def _collect(self, metas: dict[str, dict], until: float | None = None) -> None:
+    def _collect(self, metas: dict[str, dict[str, Any]], until: float | None = None) -> None:
         collected = [t for t, meta in metas.items()
                      if meta["status"] in READY_STATES and t in self._pending]
         for task_id in collected:
@@ -334,13 +336,15 @@ class RewardBatch:
             return fn()
         return redis_wait.within(self._wait_s(until), fn)
 
-    def _look_up(self, pending: dict[str, Chunk]) -> tuple[dict[str, dict], dict[str, Chunk]]:
+    def _look_up(
+        self, pending: dict[str, Chunk]
+    ) -> tuple[dict[str, dict[str, Any]], dict[str, Chunk]]:
         metas = self._read_metas(pending)
         lost = self._lost_chunks(metas, pending)
         self._no_worker.check(c.backend for c in pending.values())
         return metas, lost
 
-    def _read_metas(self, pending: dict[str, Chunk]) -> dict[str, dict]:
+    def _read_metas(self, pending: dict[str, Chunk]) -> dict[str, dict[str, Any]]:
         backend = self.app.backend
         keys = {backend.get_key_for_task(i): i for i in pending}
         values = backend.mget(list(keys))
@@ -348,7 +352,9 @@ class RewardBatch:
             values = dict(zip(keys, values, strict=True))
         return {keys[k]: backend.decode_result(v) for k, v in values.items() if v}
 
-    def _lost_chunks(self, metas: dict[str, dict], pending: dict[str, Chunk]) -> dict[str, Chunk]:
+    def _lost_chunks(
+        self, metas: dict[str, dict[str, Any]], pending: dict[str, Chunk]
+    ) -> dict[str, Chunk]:
         """Tasks whose result will never come: all of them when Redis lost the batch's
         sentinel; those held (running, or waiting out a retry) by a worker whose heartbeat
         lapsed; and those nobody holds while every queue of the route is empty (a message
@@ -360,7 +366,7 @@ class RewardBatch:
         self._next_liveness_check = time.monotonic() + LIVENESS_CHECK_S
         store = self.app.store
         if self._sentinel and not store.exists(self._sentinel):
-            self._set_sentinel()
+            self._set_sentinel(self._sentinel)
             self._quiet_until = time.monotonic() + RECOVERY_GRACE_S
         if time.monotonic() < self._quiet_until:
             self._unheld = set()
@@ -368,7 +374,9 @@ class RewardBatch:
         waiting = [i for i in pending if i not in metas]
         holders = dict(zip(waiting, store.mget([keys.held(i) for i in waiting]), strict=True))
         hosts = sorted({h for h in holders.values() if h})
-        alive = dict(zip(hosts, store.mget([keys.alive(h.decode()) for h in hosts]), strict=True))
+        # redis-py types replies bytes | str; this client does not decode_responses: bytes
+        alive = dict(zip(hosts, store.mget([keys.alive(h.decode()) for h in hosts]),  # type: ignore[union-attr]
+                         strict=True))
         lost = {i: pending[i] for i, h in holders.items() if h and not alive[h]}
         unheld = {i for i, h in holders.items() if not h}
         if unheld and not any(
@@ -380,7 +388,7 @@ class RewardBatch:
             self._unheld = set()
         return lost
 
-    def _settle(self, chunk: Chunk, meta: dict) -> None:
+    def _settle(self, chunk: Chunk, meta: dict[str, Any]) -> None:
         status, result = meta["status"], meta.get("result")
         if status == "SUCCESS" and isinstance(result, list) and len(result) == len(chunk.indices):
             outcomes = [Outcome.from_dict(d) for d in result]
@@ -396,9 +404,10 @@ class RewardBatch:
             self._place(i, outcome)
             if self.cache and outcome.status == "ok":
                 fresh[content_key(self.samples[i])] = outcome
-        if self.cache and fresh:  # best effort: a Redis hiccup costs a cache entry, not a score
+        cache = self.cache
+        if cache and fresh:  # best effort: a Redis hiccup costs a cache entry, not a score
             with contextlib.suppress(redis.RedisError, OSError):
-                self._within(None, lambda: self.cache.put_many(fresh))
+                self._within(None, lambda: cache.put_many(fresh))
 
     def _expire(self) -> None:
         for chunk in self._pending.values():
@@ -419,7 +428,7 @@ class RewardBatch:
             self._outcomes[j] = outcome.placed(_id(self.samples[j]), fallback)
 
 
-def _sizes(chunks: list[Chunk], config) -> dict[str, int]:
+def _sizes(chunks: list[Chunk], config: Config) -> dict[str, int]:
     sizes: dict[str, int] = {}
     for c in chunks:
         queue = config.backend(c.backend).queue
@@ -434,7 +443,7 @@ def _describe(result: Any) -> str:
 
 
 def submit_batch(
-    samples: Sequence[dict],
+    samples: Sequence[dict[str, Any]],
     route: str | None = None,
     priority: Priority = "train",
     deadline_s: float | None = None,
@@ -499,7 +508,7 @@ def _id(sample: Any) -> Any:
 
 
 def score(
-    samples: Sequence[dict],
+    samples: Sequence[dict[str, Any]],
     route: str | None = None,
     priority: Priority = "train",
     deadline_s: float | None = None,

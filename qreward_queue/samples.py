@@ -45,7 +45,7 @@ class Outcome:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Outcome:
-        return cls(**{k: data.get(k) for k in cls.__dataclass_fields__ if k in data})
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
 
     @classmethod
     def failed(cls, error: ScoringError, backend: str | None = None, attempts: int = 0,
