@@ -202,7 +202,7 @@ class RewardBatch:
 
     def get(self, timeout: float | None = None) -> list[float]:
         """Scores in input order; raises TimeoutError if `timeout` ends before the deadline."""
-        return [o.score for o in self.outcomes(timeout)]  # type: ignore[misc]  # placed: scored
+        return [o.reward for o in self.outcomes(timeout)]
 
     scores = get
 
@@ -214,7 +214,7 @@ class RewardBatch:
 
     def __await__(self) -> Generator[Any, None, list[float]]:
         async def scores() -> list[float]:
-            return [o.score for o in await self.outcomes_async()]  # type: ignore[misc]  # placed
+            return [o.reward for o in await self.outcomes_async()]
 
         return scores().__await__()
 

@@ -60,6 +60,13 @@ class Outcome:
                        score=self.score if self.scored else fallback_score)
 
     @property
+    def reward(self) -> float:
+        """`score` as a trainer takes it: every outcome a batch hands over has one (`placed`)."""
+        if self.score is None:
+            raise ValueError(f"outcome of sample {self.id!r} not placed yet: no score")
+        return float(self.score)
+
+    @property
     def scored(self) -> bool:
         """True when the score came from a backend (now or from the cache)."""
         return self.status in ("ok", "cached")

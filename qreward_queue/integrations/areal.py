@@ -50,7 +50,7 @@ async def score_episode(prompt: str, completion: str, task_data: Mapping[str, An
                                             "val" if evaluation else "train")
     if not outcome.scored and on_unscored == "raise":
         raise unscored_error(outcome)
-    return float(outcome.score)
+    return outcome.reward
 
 
 class QrqRewardMixin:

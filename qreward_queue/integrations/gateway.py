@@ -75,9 +75,10 @@ class Gateway:
             if key not in body:
                 raise web.HTTPBadRequest(text=f"bad slime request: missing field '{key}'")
         sample = make_sample(body["prompt"], body["response"], body.get("label"))
-        priority = "val" if (body.get("metadata") or {}).get("qrq_priority") == "val" else "train"
+        val = (body.get("metadata") or {}).get("qrq_priority") == "val"
+        priority: Priority = "val" if val else "train"
         [outcome] = await self.score([sample], self.slime_deadline_s, priority)
-        return web.json_response(float(outcome.score))
+        return web.json_response(outcome.reward)
 
     async def health(self, _: web.Request) -> web.Response:
         mode = "embedded" if get_app().qrq_config.embedded else "distributed"

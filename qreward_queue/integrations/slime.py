@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ..client import Priority
 from .batcher import default_batcher
 from .coerce import make_sample
 from .guard import require_shared_limits
@@ -25,7 +26,7 @@ async def rm(args: Any, sample_or_samples: Any, **_: Any) -> float | list[float]
     require_shared_limits("slime")
     samples = sample_or_samples if isinstance(sample_or_samples, list) else [sample_or_samples]
     route = getattr(args, "qrq_route", None) or os.environ.get("QRQ_ROUTE") or None
-    priorities = [
+    priorities: list[Priority] = [
         "val" if (s.metadata or {}).get("qrq_priority") == "val" else "train" for s in samples
     ]
     outcomes = await default_batcher().score_many(
@@ -36,5 +37,5 @@ async def rm(args: Any, sample_or_samples: Any, **_: Any) -> float | list[float]
             sample.metadata = {}
         sample.metadata["qrq_status"] = outcome.status
         sample.remove_sample = bool(sample.remove_sample) or not outcome.scored
-    scores = [float(o.score) for o in outcomes]
+    scores = [o.reward for o in outcomes]
     return scores if isinstance(sample_or_samples, list) else scores[0]

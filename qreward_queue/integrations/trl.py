@@ -19,6 +19,7 @@ import os
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from ..client import Priority
 from ..samples import summarize
 from .batcher import default_batcher
 from .coerce import make_sample
@@ -33,7 +34,7 @@ def qrq_reward(
     route: str | None = None,
     *,
     name: str = "qrq",
-    priority: str | None = None,
+    priority: Priority | None = None,
     deadline_s: float | None = None,
     reference_columns: Sequence[str] = REFERENCE_COLUMNS,
 ) -> RewardFunc:
@@ -44,7 +45,7 @@ def qrq_reward(
         prompts: list[Any],
         completions: list[Any],
         completion_ids: list[Any] | None = None,
-        log_extra: Callable[[str, list], None] | None = None,
+        log_extra: Callable[[str, list[Any]], None] | None = None,
         log_metric: Callable[[str, float], None] | None = None,
         **columns: Any,
     ) -> list[float | None]:
@@ -55,7 +56,8 @@ def qrq_reward(
         column = columns.get("qrq_priority") or ["train"] * len(completions)
         samples = [make_sample(p, c, r) for p, c, r in zip(prompts, completions, refs,
                                                              strict=True)]
-        priorities = [priority or ("val" if p == "val" else "train") for p in column]
+        priorities: list[Priority] = [priority or ("val" if p == "val" else "train")
+                                      for p in column]
         outcomes = await default_batcher().score_many(samples, route, priorities, deadline_s)
         if log_extra is not None:
             log_extra(f"{name}_status", [o.status for o in outcomes])
@@ -65,7 +67,7 @@ def qrq_reward(
             for status, count in summary["by_status"].items():
                 log_metric(f"{name}/{status}", count)
             log_metric(f"{name}/retries", summary["retries"])
-        return [float(o.score) if o.scored else None for o in outcomes]
+        return [o.reward if o.scored else None for o in outcomes]
 
     reward.__name__ = reward.__qualname__ = name
     return reward
