@@ -33,6 +33,7 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q -e ".[dev,rewards]"
 .venv/bin/ruff check .
+.venv/bin/mypy  # strict on the public API; [tool.mypy] in pyproject.toml
 .venv/bin/python -m pytest -q "$@"
 # the code sandbox's guarantees again with qrq as a normal user (a whole run, as root only)
 if [ $# -eq 0 ] && [ "$(id -u)" -eq 0 ]; then

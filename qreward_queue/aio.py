@@ -32,11 +32,11 @@ class _Poller:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._watched: dict[int, tuple[RewardBatch, list[Future]]] = {}
+        self._watched: dict[int, tuple[RewardBatch, list[Future[list[Outcome]]]]] = {}
         self._thread: threading.Thread | None = None
 
-    def watch(self, batch: RewardBatch) -> Future:
-        future: Future = Future()
+    def watch(self, batch: RewardBatch) -> Future[list[Outcome]]:
+        future: Future[list[Outcome]] = Future()
         with self._lock:
             self._watched.setdefault(id(batch), (batch, []))[1].append(future)
             if self._thread is None or not self._thread.is_alive():
@@ -59,14 +59,14 @@ class _Poller:
                 self._check(key, batch, futures)
             time.sleep(max(0.0, POLL_INTERVAL_S - (time.monotonic() - started)))
 
-    def forget(self, batch: RewardBatch, future: Future) -> None:
+    def forget(self, batch: RewardBatch, future: Future[list[Outcome]]) -> None:
         """Stop resolving `future` without counting it as a cancelled waiter."""
         with self._lock:
             futures = self._watched.get(id(batch), (batch, []))[1]
             if future in futures:
                 futures.remove(future)
 
-    def _check(self, key: int, batch: RewardBatch, futures: list[Future]) -> None:
+    def _check(self, key: int, batch: RewardBatch, futures: list[Future[list[Outcome]]]) -> None:
         with self._lock:
             live = [f for f in futures if not f.done()]
             if not live:  # every waiter was cancelled (or forgotten): stop polling this batch
@@ -87,7 +87,7 @@ class _Poller:
             _resolve(future, result)
 
 
-def _resolve(future: Future, result: list[Outcome] | BaseException) -> None:
+def _resolve(future: Future[list[Outcome]], result: list[Outcome] | BaseException) -> None:
     try:
         if isinstance(result, BaseException):
             future.set_exception(result)
@@ -109,7 +109,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_after_fork)
 
 
-def watch(batch: RewardBatch) -> Future:
+def watch(batch: RewardBatch) -> Future[list[Outcome]]:
     """A concurrent.futures.Future resolved with `batch`'s outcomes (or its error) by the
     process's poller thread; cancel it to stop waiting."""
     return _poller.watch(batch)

@@ -80,9 +80,13 @@ class CircuitBreaker:
     def failure(self) -> None:
         self._dirty, self._clean_until = True, 0.0
         with self.store.pipeline() as pipe:
-            pipe.incr(self.fails).expire(self.fails, 60).exists(self.tripped)
+            pipe.incr(self.fails)
+            pipe.expire(self.fails, 60)
+            pipe.exists(self.tripped)
             count, _, tripped = pipe.execute()
         if count >= self.threshold or tripped:
             with self.store.pipeline() as pipe:
-                pipe.set(self.open_key, 1, px=self.cooldown_ms).set(self.tripped, 1, ex=3600)
-                pipe.delete(self.fails, self.probe).execute()
+                pipe.set(self.open_key, 1, px=self.cooldown_ms)
+                pipe.set(self.tripped, 1, ex=3600)
+                pipe.delete(self.fails, self.probe)
+                pipe.execute()

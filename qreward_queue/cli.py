@@ -251,8 +251,8 @@ def worker(
         click.echo(f"qrq: warning: {problem} (left out of its routes here)", err=True)
     if config.embedded:
         raise ConfigError("qrq worker needs Redis: set QRQ_REDIS_URL or [redis] url in qrq.toml")
-    if problem := backend.missing_api_key():
-        raise ConfigError(f"{problem}: export it before starting the worker")
+    if missing := backend.missing_api_key():
+        raise ConfigError(f"{missing}: export it before starting the worker")
     check_redis(config)  # at start, one line; once running, an outage is ridden out
     known = config.backends.get(backend.name)
     if known is not None and Path(known.source).resolve() != Path(backend_file).resolve():

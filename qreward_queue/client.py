@@ -27,7 +27,7 @@ from . import keys, lease, records, redis_conn, redis_wait, spend
 from .app import HEARTBEAT_S, REDIS_READ_TIMEOUT_S, QrqCelery
 from .cache import ScoreCache, content_key, record_cache, reward_identity
 from .capacity import count_queued, queue_depth, route_shares
-from .config import Route
+from .config import Config, Route
 from .errors import Cancelled, DeadlineExceeded, RedisUnreachable, ScoringError
 from .liveness import NoWorkerWatch
 from .priority import Priority
@@ -42,6 +42,10 @@ QUICK_POLL_S = 0.05  # done()/completed wait no longer for Redis; the read goes 
 # After Redis was away or lost its data, no task is judged lost until every worker's heartbeat
 # has had time to say again what it holds (a task still running is not bought twice).
 RECOVERY_GRACE_S = HEARTBEAT_S + LIVENESS_CHECK_S + 1.0
+
+
+# what one poll reads: the chunks' results, the record log's new entries, the chunks lost
+_Look = tuple[dict[str, dict[str, Any]], list[tuple[int, dict[str, Any]]], dict[str, Chunk]]
 
 
 class RewardBatch:
@@ -72,7 +76,7 @@ class RewardBatch:
         self,
         app: QrqCelery,
         route: Route,
-        samples: Sequence[dict],
+        samples: Sequence[dict[str, Any]],
         outcomes: list[Outcome | None],
         copies: dict[int, list[int]],
         cache: ScoreCache | None,
@@ -95,11 +99,13 @@ class RewardBatch:
         self._unheld: set[str] = set()
         self._quiet_until = 0.0  # no task is judged lost before (see RECOVERY_GRACE_S)
         self._no_worker = NoWorkerWatch(app)
-        self._look: Future | None = None  # the poll's read of Redis still in flight
+        # the poll's read of Redis still in flight
+        self._look: Future[_Look] | None = None
         self._look_since = time.time()  # and when it began
         self._outage = redis_wait.Outage(redis_conn.describe(app.qrq_config))
         self.resubmitted = 0
-        self._started, self._finished = time.monotonic(), None
+        self._started = time.monotonic()
+        self._finished: float | None = None
 
     def __len__(self) -> int:
         return len(self._outcomes)
@@ -186,9 +192,9 @@ class RewardBatch:
         if not self._pending:
             return 0
         store, pending = self.app.store, [i for c in self._pending.values() for i in c.indices]
-        recorded: dict[int, dict] = {}
+        recorded: dict[int, dict[str, Any]] = {}
 
-        def stop_and_read() -> dict[int, dict]:
+        def stop_and_read() -> dict[int, dict[str, Any]]:
             lease.end(store, self.batch_id, lease.CANCELLED, self._keep_s())
             self._collect(self._read_metas(dict(self._pending)))
             return records.read(store, self.batch_id, pending)
@@ -216,7 +222,7 @@ class RewardBatch:
 
     def get(self, timeout: float | None = None) -> list[float]:
         """Scores in input order; raises TimeoutError if `timeout` ends before the deadline."""
-        return [o.score for o in self.outcomes(timeout)]
+        return [o.reward for o in self.outcomes(timeout)]
 
     scores = get
 
@@ -228,7 +234,7 @@ class RewardBatch:
 
     def __await__(self) -> Generator[Any, None, list[float]]:
         async def scores() -> list[float]:
-            return [o.score for o in await self.outcomes_async()]
+            return [o.reward for o in await self.outcomes_async()]
 
         return scores().__await__()
 
@@ -269,17 +275,17 @@ class RewardBatch:
                 for queue, n in _sizes(chunks, config).items():
                     count_queued(self.app.store, queue, n)
             if self._sentinel:
-                self._set_sentinel()
+                self._set_sentinel(self._sentinel)
 
         self._within(self.deadline, publish)
 
-    def _set_sentinel(self) -> None:
+    def _set_sentinel(self, sentinel: str) -> None:
         """Redis losing its data (a restart without persistence) takes this key with it; the
         lease is set first, so that no worker sees the sentinel without a live lease."""
         ttl_ms = lease.key_ttl_ms(self.app.qrq_config.lease_s)
         with self.app.store.pipeline(transaction=False) as pipe:
             pipe.set(keys.lease(self.batch_id), lease.LIVE, px=ttl_ms)
-            pipe.set(self._sentinel, 1, px=int(self._keep_s() * 1000))
+            pipe.set(sentinel, 1, px=int(self._keep_s() * 1000))
             pipe.execute()
 
     def _keep_s(self) -> float:
@@ -322,8 +328,8 @@ class RewardBatch:
             with contextlib.suppress(redis.RedisError, kombu.exceptions.OperationalError, OSError):
                 self.send(list(lost.values()))
 
-    def _collect(self, metas: dict[str, dict], until: float | None = None,
-                 logged: Sequence[tuple[int, dict]] = ()) -> None:
+    def _collect(self, metas: dict[str, dict[str, Any]], until: float | None = None,
+                 logged: Sequence[tuple[int, dict[str, Any]]] = ()) -> None:
         """Place the samples the workers recorded (`logged`: the log read from `_log_read` on)
         and the outcomes of the chunks whose tasks ended (`metas`); cache the new scores."""
         self._log_read += len(logged)
@@ -337,9 +343,10 @@ class RewardBatch:
             for i, outcome in zip(chunk.indices, _chunk_outcomes(chunk, metas[task_id]),
                                   strict=True):
                 self._place_fresh(i, outcome, fresh)
-        if self.cache and fresh:  # best effort: a Redis hiccup costs a cache entry, not a score
+        cache = self.cache
+        if cache and fresh:  # best effort: a Redis hiccup costs a cache entry, not a score
             with contextlib.suppress(redis.RedisError, OSError):
-                self._within(until, lambda: self.cache.put_many(fresh))
+                self._within(until, lambda: cache.put_many(fresh))
         if collected:  # read once, never again: the expiry stays as the safety net
             with contextlib.suppress(redis.RedisError, OSError):
                 self._within(until, lambda: self.app.backend.forget_many(collected))
@@ -368,8 +375,7 @@ class RewardBatch:
             return fn()
         return redis_wait.within(self._wait_s(until), fn)
 
-    def _look_up(self, pending: dict[str, Chunk]
-                 ) -> tuple[dict[str, dict], list[tuple[int, dict]], dict[str, Chunk]]:
+    def _look_up(self, pending: dict[str, Chunk]) -> _Look:
         """The chunks' results, the record log's new entries, the chunks lost. The log is read
         first: a chunk whose result is in has its records in the log read with it."""
         logged = records.read_log(self.app.store, self.batch_id, self._log_read)
@@ -378,7 +384,7 @@ class RewardBatch:
         self._no_worker.check(c.backend for c in pending.values())
         return metas, logged, lost
 
-    def _read_metas(self, pending: dict[str, Chunk]) -> dict[str, dict]:
+    def _read_metas(self, pending: dict[str, Chunk]) -> dict[str, dict[str, Any]]:
         backend = self.app.backend
         keys = {backend.get_key_for_task(i): i for i in pending}
         values = backend.mget(list(keys))
@@ -386,7 +392,9 @@ class RewardBatch:
             values = dict(zip(keys, values, strict=True))
         return {keys[k]: backend.decode_result(v) for k, v in values.items() if v}
 
-    def _lost_chunks(self, metas: dict[str, dict], pending: dict[str, Chunk]) -> dict[str, Chunk]:
+    def _lost_chunks(
+        self, metas: dict[str, dict[str, Any]], pending: dict[str, Chunk]
+    ) -> dict[str, Chunk]:
         """Tasks whose result will never come: all of them when Redis lost the batch's
         sentinel; those held (running, or waiting out a retry) by a worker whose heartbeat
         lapsed; and those nobody holds while every queue of the route is empty (a message
@@ -398,7 +406,7 @@ class RewardBatch:
         self._next_liveness_check = time.monotonic() + LIVENESS_CHECK_S
         store = self.app.store
         if self._sentinel and not store.exists(self._sentinel):
-            self._set_sentinel()
+            self._set_sentinel(self._sentinel)
             self._quiet_until = time.monotonic() + RECOVERY_GRACE_S
         if time.monotonic() < self._quiet_until:
             self._unheld = set()
@@ -406,7 +414,9 @@ class RewardBatch:
         waiting = [i for i in pending if i not in metas]
         holders = dict(zip(waiting, store.mget([keys.held(i) for i in waiting]), strict=True))
         hosts = sorted({h for h in holders.values() if h})
-        alive = dict(zip(hosts, store.mget([keys.alive(h.decode()) for h in hosts]), strict=True))
+        # redis-py types replies bytes | str; this client does not decode_responses: bytes
+        alive = dict(zip(hosts, store.mget([keys.alive(h.decode()) for h in hosts]),  # type: ignore[union-attr]
+                         strict=True))
         lost = {i: pending[i] for i, h in holders.items() if h and not alive[h]}
         unheld = {i for i, h in holders.items() if not h}
         if unheld and not any(
@@ -443,7 +453,7 @@ class RewardBatch:
         return True
 
 
-def _chunk_outcomes(chunk: Chunk, meta: dict) -> list[Outcome]:
+def _chunk_outcomes(chunk: Chunk, meta: dict[str, Any]) -> list[Outcome]:
     """A finished task's outcomes, one per sample of its chunk (its failure, for each)."""
     status, result = meta["status"], meta.get("result")
     if status == "SUCCESS" and isinstance(result, list) and len(result) == len(chunk.indices):
@@ -456,7 +466,7 @@ def _chunk_outcomes(chunk: Chunk, meta: dict) -> list[Outcome]:
     return [Outcome.failed(error) for _ in chunk.indices]
 
 
-def _sizes(chunks: list[Chunk], config) -> dict[str, int]:
+def _sizes(chunks: list[Chunk], config: Config) -> dict[str, int]:
     sizes: dict[str, int] = {}
     for c in chunks:
         queue = config.backend(c.backend).queue
@@ -471,7 +481,7 @@ def _describe(result: Any) -> str:
 
 
 def submit_batch(
-    samples: Sequence[dict],
+    samples: Sequence[dict[str, Any]],
     route: str | None = None,
     priority: Priority | str = Priority.TRAIN,
     deadline_s: float | None = None,
@@ -535,7 +545,7 @@ def _id(sample: Any) -> Any:
 
 
 def score(
-    samples: Sequence[dict],
+    samples: Sequence[dict[str, Any]],
     route: str | None = None,
     priority: Priority | str = Priority.TRAIN,
     deadline_s: float | None = None,

@@ -12,10 +12,10 @@ import math
 import os
 import re
 import sys
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 from .errors import ConfigError, UnknownRoute
 from .ratelimit_headers import DEFAULT_MAX_PAUSE_S
@@ -44,7 +44,7 @@ PACKAGED_CONFIG = Path(__file__).resolve().parent / "defaults" / "qrq.toml"
 def expand_env(value: str, where: str) -> str:
     """Fill `${VAR}` / `${VAR:-default}` from the environment (for per-deployment hosts)."""
 
-    def fill(match: re.Match) -> str:
+    def fill(match: re.Match[str]) -> str:
         name, default = match.group(1), match.group(2)
         if name in os.environ:
             return os.environ[name]
@@ -79,9 +79,9 @@ def advised_calls(
     Split over `workers`.
     """
     rate = limits.rpm / 60 if limits.rpm else want_per_s
-    if rate is None and limits.max_concurrent is None:
-        raise ValueError("a backend with no rpm and no max_concurrent needs want_per_s")
     total = max(8, math.ceil(3 * rate * latency_s)) if rate else limits.max_concurrent
+    if total is None:
+        raise ValueError("a backend with no rpm and no max_concurrent needs want_per_s")
     if limits.max_concurrent:
         total = min(total, limits.max_concurrent)
     return math.ceil(total / workers)
@@ -271,7 +271,7 @@ class _Table:
     def note(self, problem: ConfigError) -> None:
         self.problems.append(str(problem))
 
-    def section(self, key: str, parse, *args: Any) -> Any:
+    def section(self, key: str, parse: Callable[..., Any], *args: Any) -> Any:
         """`parse(table, *args)` on sub-table `key`; on its first hard error, None (noted)."""
         try:
             return parse(self.table(key), *args)
@@ -309,13 +309,21 @@ class _Table:
         wrong_bool = isinstance(value, bool) and bool not in (
             kind if isinstance(kind, tuple) else (kind,))
         if wrong_bool or not isinstance(value, kind):
-            problem = self.fail(key, expected or getattr(kind, "__name__", str(kind)))
+            problem = self.fail(key, expected or str(getattr(kind, "__name__", kind)))
             if required:
                 raise problem
             self.note(problem)
             return default
         return value
 
+    @overload
+    def number(
+        self, key: str, default: float, *, positive: bool = ..., allow_zero: bool = ...
+    ) -> float: ...
+    @overload
+    def number(
+        self, key: str, default: float | None, *, positive: bool = ..., allow_zero: bool = ...
+    ) -> float | None: ...
     def number(
         self, key: str, default: float | None, *, positive: bool = True, allow_zero: bool = False
     ) -> float | None:
@@ -330,8 +338,12 @@ class _Table:
             return default
         return float(value)
 
+    @overload
+    def integer(self, key: str, default: int, minimum: int = ...) -> int: ...
+    @overload
+    def integer(self, key: str, default: int | None, minimum: int = ...) -> int | None: ...
     def integer(self, key: str, default: int | None, minimum: int = 1) -> int | None:
-        value = self.get(key, int, default, expected=f"an integer >= {minimum}")
+        value: int | None = self.get(key, int, default, expected=f"an integer >= {minimum}")
         if value is not None and value < minimum:
             self.note(self.fail(key, f"an integer >= {minimum}"))
             return default
@@ -351,7 +363,8 @@ class _Table:
 def _read_toml(path: Path) -> dict[str, Any]:
     try:
         with path.open("rb") as fh:
-            return tomllib.load(fh)
+            data: dict[str, Any] = tomllib.load(fh)  # tomli (Python 3.10) is not typed here
+            return data
     except FileNotFoundError:
         raise ConfigError(f"{path}: file not found") from None
     except tomllib.TOMLDecodeError as exc:
@@ -419,7 +432,11 @@ def _retry(t: _Table) -> Retry:
     return retry
 
 
-def _numbers(t: _Table, cls: type, default: float | None, **opts: bool):
+@overload
+def _numbers(t: _Table, cls: type[Price], default: float, **opts: bool) -> Price: ...
+@overload
+def _numbers(t: _Table, cls: type[Budget], default: None, **opts: bool) -> Budget: ...
+def _numbers(t: _Table, cls: type[Any], default: float | None, **opts: bool) -> Any:
     """A table of numbers only (`[price]`, `[budget]`): one per field of `cls`."""
     value = cls(*(t.number(f.name, default, **opts) for f in fields(cls)))
     t.finish()
@@ -528,7 +545,8 @@ def _score_range(t: _Table, default: tuple[float, float] | None) -> tuple[float,
 
 def _env_name(t: _Table) -> str | None:
     """The NAME of the variable holding the API key; a pasted key is refused unquoted."""
-    name = t.get("api_key_env", str, None, expected="the NAME of an environment variable")
+    name: str | None = t.get("api_key_env", str, None,
+                             expected="the NAME of an environment variable")
     if name is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
         raise ConfigError(
             f"{t.where('api_key_env')}: expected the NAME of an environment "
@@ -582,7 +600,7 @@ def _routes(t: _Table, backends: dict[str, Backend], broken: Collection[str] = (
     return routes
 
 
-def _redis_settings(t: _Table, env_url: str | None) -> tuple[str | None, dict]:
+def _redis_settings(t: _Table, env_url: str | None) -> tuple[str | None, dict[str, Any]]:
     """[redis]: `url`, or `sentinels` + `service_name` (+ `db`); password env var names.
 
     QRQ_REDIS_URL replaces `url`/`sentinels`; a `sentinel://` one takes the service name from
@@ -670,7 +688,7 @@ def load_config(
     if not workers_dir.is_dir():
         root.note(ConfigError(f"{path}: workers_dir: no directory {workers_dir}"))
         root.check()
-    backends = {}
+    backends: dict[str, Backend] = {}
     for file in sorted(workers_dir.glob("*.toml")):
         try:
             backend = load_backend(file)

@@ -188,9 +188,10 @@ def record(client: redis.Redis, message, reason: str) -> None:
         "content_type": message.content_type,
         "body": str(body)[:MAX_BODY_CHARS],
     }
-    client.pipeline().lpush(DEAD_LETTER_KEY, json.dumps(entry, default=repr)).ltrim(
-        DEAD_LETTER_KEY, 0, MAX_DEAD_LETTERS - 1
-    ).execute()
+    pipe = client.pipeline()
+    pipe.lpush(DEAD_LETTER_KEY, json.dumps(entry, default=repr))
+    pipe.ltrim(DEAD_LETTER_KEY, 0, MAX_DEAD_LETTERS - 1)
+    pipe.execute()
 
 
 def read(client: redis.Redis, limit: int = 100) -> list[dict]:

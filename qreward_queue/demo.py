@@ -220,13 +220,13 @@ def qrq_figures(
     want = expected_scores(
         config,
         [s for s, o in zip(samples, outcomes, strict=True) if o.scored],
-        [o.backend for o in scored],
+        [o.backend or "" for o in scored],
     )
     return RunFigures(
         "qrq",
         wall,
         server_429,
-        _wrong([o.score for o in scored], want),
+        _wrong([o.reward for o in scored], want),
         len(outcomes) - len(scored),
         len(samples),
     )

@@ -159,7 +159,7 @@ class Limiter:
         self._redis = redis_client
         self._keys = keys.limiter(backend)
         self._scripts = _load_scripts(redis_client)
-        self._limits = [
+        self._limits: list[dict[str, Any]] = [
             {"name": name, "cap": max(per_min / 60.0 * burst_s, 1.0), "rate": per_min / 60_000.0}
             for name, per_min in (("rpm", rpm), ("tpm", tpm))
             if per_min
@@ -352,7 +352,7 @@ def _learned(lim: dict[str, Any]) -> dict[str, Any] | None:
     return {
         "believed": "told_rate" in lim,
         "told_per_minute": lim.get("told_rate", lim.get("claim_rate", 0)) * 60_000,
-        "by": {"429": "a 429", "replies": "agreeing replies"}.get(lim.get("told_by")),
+        "by": {"429": "a 429", "replies": "agreeing replies"}.get(lim.get("told_by", "")),
         "age_s": lim.get("told_age_ms", lim.get("claim_age_ms", 0)) / 1000,
         "replies": int(lim.get("claims", 0)),
     }

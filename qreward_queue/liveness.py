@@ -50,7 +50,8 @@ def call_pools(store: redis.Redis, nodes: list[str], backend: str) -> dict[str, 
 
 def live_workers(store: redis.Redis, queue: str) -> list[str]:
     """Nodes with a fresh heartbeat that consume `queue` (dead ones are forgotten)."""
-    nodes = sorted(n.decode() for n in store.smembers(keys.consumers(queue)))
+    # redis-py types replies bytes | str; a client without decode_responses gets bytes
+    nodes = sorted(n.decode() for n in store.smembers(keys.consumers(queue)))  # type: ignore[union-attr]
     if not nodes:
         return []
     alive = store.mget([keys.alive(n) for n in nodes])

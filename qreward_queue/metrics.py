@@ -45,7 +45,7 @@ class _WorkerMetrics:
     def __init__(self, registry: Any = None) -> None:
         from prometheus_client import REGISTRY, Counter, Histogram
 
-        reg = {"registry": registry or REGISTRY}
+        reg: dict[str, Any] = {"registry": registry or REGISTRY}
         self.samples = Counter(
             "qrq_samples", "Samples settled by a worker, by outcome status",
             ["backend", "route", "status"], **reg)

@@ -344,9 +344,9 @@ class _Judge:
             limit = f"Limit {_number(self._tokens.per_minute)}, Requested {tokens}"
             message = f"Rate limit reached for tokens per min (TPM): {limit}"
             return "tokens", message, self._tokens.wait_for(tokens)
-        limit = self.settings.max_concurrent
-        if limit > 0 and self._in_flight >= limit:
-            message = f"Rate limit reached for concurrency: Limit {limit} requests in flight"
+        most = self.settings.max_concurrent
+        if most > 0 and self._in_flight >= most:
+            message = f"Rate limit reached for concurrency: Limit {most} requests in flight"
             return "concurrency", message, self.settings.latency_ms / 1000
         return None
 
@@ -600,7 +600,8 @@ class MockJudge:
     @property
     def url(self) -> str:
         host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+        # typeshed allows a bytes host (AF_UNIX); this AF_INET server's is a str
+        return f"http://{host}:{port}"  # type: ignore[str-bytes-safe]
 
     def start(self) -> MockJudge:
         if self._thread is None:

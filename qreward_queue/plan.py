@@ -81,7 +81,8 @@ class Plan:
 
 def samples_per_call(backend: Backend) -> int:
     """Samples one backend call scores: a judge 1, a reward model its batch, a function a chunk."""
-    return {"judge": 1, "reward_model": backend.batch_size}.get(backend.kind, backend.chunk_size)
+    return {"judge": 1, "reward_model": backend.batch_size}.get(backend.kind,
+                                                                backend.chunk_size or 1)
 
 
 def tokens_per_call(backend: Backend, work: Workload) -> int:

@@ -71,7 +71,8 @@ class Recorder:
             return
         try:
             with self.store.pipeline(transaction=False) as pipe:
-                pipe.hset(self.key, mapping=batch)
+                # redis-py's mapping type is invariant in its key: dict[str, str] is one
+                pipe.hset(self.key, mapping=batch)  # type: ignore[arg-type]
                 pipe.rpush(self.log, *(f"[{i}, {outcome}]" for i, outcome in batch.items()))
                 pipe.expire(self.key, self.keep_s)
                 pipe.expire(self.log, self.keep_s)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeGuard
 from urllib.parse import quote, urlsplit
 
 import redis
@@ -33,8 +33,8 @@ SERVICE_ENV = "QRQ_REDIS_SERVICE_NAME"
 SENTINEL_TIMEOUT_S = 2.0  # one sentinel's answer; the next one is asked after this
 
 
-def is_sentinel(url: str | None) -> bool:
-    return bool(url) and url.startswith(f"{SCHEME}://")
+def is_sentinel(url: str | None) -> TypeGuard[str]:
+    return url is not None and url.startswith(f"{SCHEME}://")
 
 
 def sentinel_url(addresses: Sequence[str], db: int = 0) -> str:
@@ -63,6 +63,13 @@ def sentinel_db(url: str) -> int:
     return 0
 
 
+def _url(config: Config) -> str:
+    """The Redis URL of a config that has Redis (an embedded one has none to connect to)."""
+    if config.redis_url is None:
+        raise ValueError("an embedded configuration has no Redis to connect to")
+    return config.redis_url
+
+
 def _env(name: str | None) -> str | None:
     return os.environ.get(name) or None if name else None
 
@@ -82,42 +89,45 @@ def _with_password(url: str, password: str | None) -> str:
     return SEPARATOR.join(chunks)
 
 
-def _sentinel_kwargs(config: Config) -> dict:
-    kwargs = {"socket_timeout": SENTINEL_TIMEOUT_S, "socket_connect_timeout": SENTINEL_TIMEOUT_S}
+def _sentinel_kwargs(config: Config) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"socket_timeout": SENTINEL_TIMEOUT_S,
+                              "socket_connect_timeout": SENTINEL_TIMEOUT_S}
     password = _env(config.sentinel_password_env)
     if password:
         kwargs["password"] = password
     return kwargs
 
 
-def _sentinel(config: Config, **connection) -> Sentinel:
-    first = urlsplit(config.redis_url.split(SEPARATOR)[0])  # where Celery reads them too
+def _sentinel(config: Config, **connection: Any) -> Sentinel:
+    url = _url(config)
+    first = urlsplit(url.split(SEPARATOR)[0])  # where Celery reads them too
     if first.username:
         connection["username"] = first.username
     password = _env(config.redis_password_env) or first.password
     if password:
         connection["password"] = password
     return Sentinel(
-        sentinel_addresses(config.redis_url),
+        sentinel_addresses(url),
         sentinel_kwargs=_sentinel_kwargs(config),
-        db=sentinel_db(config.redis_url),
+        db=sentinel_db(url),
         **connection,
     )
 
 
-def connect(config: Config, **connection) -> redis.Redis:
+def connect(config: Config, **connection: Any) -> redis.Redis:
     """A client of the current primary (`connection`: redis-py options such as timeouts)."""
     if not is_sentinel(config.redis_url):
         password = _env(config.redis_password_env)
         if password:
             connection["password"] = password
-        return redis.Redis.from_url(config.redis_url, **connection)
+        return redis.Redis.from_url(_url(config), **connection)
     return _sentinel(config, **connection).master_for(config.redis_service_name)
 
 
-def celery_settings(config: Config, transport: dict, result_transport: dict) -> dict:
+def celery_settings(config: Config, transport: dict[str, Any],
+                    result_transport: dict[str, Any]) -> dict[str, Any]:
     """Broker and result-backend settings for `config`, Sentinel options included."""
-    url = _with_password(config.redis_url, _env(config.redis_password_env))
+    url = _with_password(_url(config), _env(config.redis_password_env))
     if not is_sentinel(url):
         return {
             "broker_url": url,
@@ -164,7 +174,7 @@ def sentinel_problem(config: Config) -> str | None:
     finally:
         for node in sentinel.sentinels:
             node.close()
-    nodes = ", ".join(f"{h}:{p}" for h, p in sentinel_addresses(config.redis_url))
+    nodes = ", ".join(f"{h}:{p}" for h, p in sentinel_addresses(_url(config)))
     if not known and len(errors) == len(sentinel.sentinels):
         return (f"no sentinel answered at {nodes} ({'; '.join(errors)}): check that "
                 "redis-sentinel runs there and that [redis] sentinels / QRQ_REDIS_URL name it")

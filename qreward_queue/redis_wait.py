@@ -48,12 +48,12 @@ def _reset_after_fork() -> None:
 os.register_at_fork(after_in_child=_reset_after_fork)
 
 
-def submit(fn: Callable[[], _T]) -> Future:
+def submit(fn: Callable[[], _T]) -> Future[_T]:
     """Start `fn` (a call on Redis) on a helper thread; wait for it with `result`."""
     return _pool.submit(fn)
 
 
-def result(future: Future, seconds: float) -> _T:
+def result(future: Future[_T], seconds: float) -> _T:
     """`future`'s result, waiting at most `seconds`; RedisWaitTimeout after that (the call
     goes on and can be waited for again)."""
     try:

@@ -78,7 +78,7 @@ def plan(
     for name, mine in spread(indices, route, shares).items():
         size = chunk_size(config.backend(name), len(mine))
         per_backend.append([Chunk(name, mine[i : i + size]) for i in range(0, len(mine), size)])
-    chunks = []
+    chunks: list[Chunk] = []
     for row in range(max((len(c) for c in per_backend), default=0)):
         chunks.extend(c[row] for c in per_backend if row < len(c))
     return chunks

@@ -45,7 +45,7 @@ class Outcome:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Outcome:
-        return cls(**{k: data.get(k) for k in cls.__dataclass_fields__ if k in data})
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
 
     @classmethod
     def failed(cls, error: ScoringError, backend: str | None = None, attempts: int = 0,
@@ -58,6 +58,13 @@ class Outcome:
         """This outcome as the trainer gets it: the sample's id, the fallback score on failure."""
         return replace(self, id=sample_id,
                        score=self.score if self.scored else fallback_score)
+
+    @property
+    def reward(self) -> float:
+        """`score` as a trainer takes it: every outcome a batch hands over has one (`placed`)."""
+        if self.score is None:
+            raise ValueError(f"outcome of sample {self.id!r} not placed yet: no score")
+        return float(self.score)
 
     @property
     def scored(self) -> bool:

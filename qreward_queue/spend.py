@@ -159,8 +159,8 @@ class Ledger:
                 pipe.execute()
         except (redis.RedisError, OSError):
             with self._lock:
-                for key, values in tally.items():
-                    mine = self._tally.setdefault(key, [0] * len(FIELDS))
+                for slot, values in tally.items():
+                    mine = self._tally.setdefault(slot, [0] * len(FIELDS))
                     for k, value in enumerate(values):
                         mine[k] += value
                 for hour, (tokens, cost) in held.items():
@@ -181,6 +181,11 @@ def _shown(name: str, value: float) -> float:
     return value / 1_000_000 if name.startswith("cost") else value
 
 
+def _hgetall(store: redis.Redis, key: str) -> dict[bytes, bytes]:
+    # redis-py types replies bytes | str; a client without decode_responses gets bytes
+    return store.hgetall(key)  # type: ignore[return-value]
+
+
 def _figures(raw: dict[bytes, bytes]) -> dict[str, Any]:
     got = {k.decode(): int(v) for k, v in raw.items()}
     return {"calls": got.get("calls", 0), "tokens_in": got.get("tokens_in", 0),
@@ -190,8 +195,8 @@ def _figures(raw: dict[bytes, bytes]) -> dict[str, Any]:
 
 def backend_spend(store: redis.Redis, backend: Backend) -> dict[str, Any]:
     """A backend's spend in total and this hour, and each budget cap's use and what is left."""
-    total_raw, hour_raw = (store.hgetall(keys.spend(backend.name)),
-                           store.hgetall(keys.spend(backend.name, hour_now())))
+    total_raw, hour_raw = (_hgetall(store, keys.spend(backend.name)),
+                           _hgetall(store, keys.spend(backend.name, hour_now())))
     total, hour = _figures(total_raw), _figures(hour_raw)
     held = {k.decode(): int(v) for k, v in hour_raw.items() if k.startswith(b"held_")}
     held_t, held_c = held.get("held_tokens", 0), held.get("held_cost_micro", 0) / 1_000_000
@@ -210,7 +215,7 @@ def backend_spend(store: redis.Redis, backend: Backend) -> dict[str, Any]:
 def batch_spend(store: redis.Redis, batch_id: str) -> dict[str, dict[str, Any]]:
     """One batch's spend per backend (calls, tokens_in, tokens_out, estimated_calls, cost)."""
     by_backend: dict[str, dict[bytes, bytes]] = {}
-    for key, value in store.hgetall(keys.batch_spend(batch_id)).items():
+    for key, value in _hgetall(store, keys.batch_spend(batch_id)).items():
         backend, _, field = key.decode().rpartition(":")
         by_backend.setdefault(backend, {})[field.encode()] = value
     return {backend: _figures(raw) for backend, raw in sorted(by_backend.items())}

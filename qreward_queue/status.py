@@ -59,7 +59,7 @@ def snapshot(app: QrqCelery, previous: dict | None = None) -> dict:
         row["limit_samples_per_s"] = rpm / 60 * per_call if rpm else None
         prev = before.get(row["backend"])
         drain = None
-        if prev is not None and now > previous["time"]:
+        if prev is not None and previous is not None and now > previous["time"]:
             drain = (prev["queued_samples"] - row["queued_samples"]) / (now - previous["time"])
         row["drain_per_s"] = drain
         speed = drain if drain and drain > 0 else row["limit_samples_per_s"]

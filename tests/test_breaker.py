@@ -13,6 +13,7 @@ import time
 
 import fakeredis
 import pytest
+from support import wait_for
 
 from qreward_queue import tasks
 from qreward_queue.app import QrqCelery
@@ -42,10 +43,7 @@ def trip(breaker: CircuitBreaker) -> None:
 
 
 def wait_out_cooldown(breaker: CircuitBreaker) -> None:
-    deadline = time.monotonic() + 5
-    while breaker.is_open():
-        assert time.monotonic() < deadline, "the open key never expired"
-        time.sleep(0.01)
+    wait_for(lambda: not breaker.is_open(), 5, "the open key to expire", interval_s=0.01)
 
 
 # --------------------------------------------------------------------------------------------

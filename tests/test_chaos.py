@@ -494,6 +494,10 @@ def test_429s_without_a_usable_retry_after_cost_only_their_own_samples(
     samples[3]["prompt"] = "throttle<-5>"
     samples[17]["prompt"] = "throttle<soon-ish>"
     batch = qreward_queue.submit_batch(samples, route="j", app=app, deadline_s=60)
+    limiter, pauses = app.limiter("j"), []
+    while not batch.done():  # a pause is in force for its whole length: a poll sees it
+        pauses.append(limiter.status()["paused_for_s"])
+        time.sleep(0.02)
     outcomes = batch.outcomes()
     # Then the two are errors after at most their 3 attempts each, sent at most 3 times...
     bad = [outcomes[3], outcomes[17]]
@@ -503,8 +507,7 @@ def test_429s_without_a_usable_retry_after_cost_only_their_own_samples(
     assert len(rendered) == 2 and all(tries[p] <= 3 for p in rendered), tries
     # ...and the 20 innocent samples are scored, without waiting on them: no backend pause
     assert all(o.status == "ok" for i, o in enumerate(outcomes) if i not in (3, 17)), outcomes
-    assert app.limiter("j").status()["paused_for_s"] == 0.0
-    assert batch.summary()["wall_s"] < 15, batch.summary()
+    assert max(pauses, default=0.0) == 0.0 == limiter.status()["paused_for_s"], pauses
 
 
 def test_one_reply_claiming_a_tiny_limit_does_not_throttle_the_backend(
@@ -533,7 +536,8 @@ def test_one_reply_claiming_a_tiny_limit_does_not_throttle_the_backend(
     outcomes = batch.outcomes()
     # Then all are scored at the configured rate: one reply's word was not believed...
     assert [(o.status, o.score) for o in outcomes] == [("ok", 0.5)] * 20, outcomes
-    assert batch.summary()["wall_s"] < 10, batch.summary()
+    rpm = app.limiter("j").status()["limits"]["rpm"]
+    assert rpm["per_minute"] == 6000 and rpm["learned"]["believed"] is False, rpm
     # ...and `qrq status` shows what was told, and why it was not believed
     shown = CliRunner().invoke(cli, ["status", "--config", str(config_path)])
     assert shown.exit_code == 0, shown.output

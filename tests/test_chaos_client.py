@@ -81,7 +81,7 @@ def test_a_trickling_reply_ends_at_the_calls_total_time_limit():
         server.close()
     # each read got a byte in time, yet the call as a whole ended at its 2 s limit
     assert caught.value.timed_out and "within 2 s" in str(caught.value)
-    assert elapsed < 2.0 + 1.5, elapsed
+    assert elapsed < 2.0 + 1.5, elapsed  # deadline promise: a call's total time limit
 
 
 OK_REPLY = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 8\r\n\r\n"
@@ -244,7 +244,7 @@ def test_the_deadline_holds_when_redis_freezes(tmp_path, stack):
     late_by = time.time() - batch.deadline
     # Then outcomes() returns by the deadline (every wait on Redis, retries included, is
     # bounded by the time left), with what came back and the rest as timeouts
-    assert late_by <= 1.0, late_by
+    assert late_by <= 1.0, late_by  # deadline promise: the batch deadline
     assert {o.status for o in outcomes} <= {"ok", "timeout"}
     assert sum(o.status == "timeout" for o in outcomes) > 0
     os.kill(private.proc.pid, signal.SIGCONT)

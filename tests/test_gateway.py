@@ -79,7 +79,8 @@ def test_openrlhf_requests_are_micro_batched_and_always_get_numbers(gateway):
               for p, r in zip(prompts, responses, strict=True)]
     started = time.monotonic()
     replies = asyncio.run(post_all(url + "/get_reward", bodies))
-    assert time.monotonic() - started < DEADLINE_S + 10  # the gateway's own deadline + grace
+    # deadline promise: the gateway answers by its own deadline (+ grace), hung samples too
+    assert time.monotonic() - started < DEADLINE_S + 10
     for prompt, response, (status, body) in zip(prompts, responses, replies, strict=True):
         assert status == 200
         failed = response in (FAIL_500, HANG)
@@ -118,6 +119,7 @@ def test_with_no_worker_left_the_gateway_still_answers_by_its_deadline(gateway):
     body = {"query": ["p" + OK], "prompts": ["p"], "labels": ["4"]}
     started = time.monotonic()
     [(status, reply)] = asyncio.run(post_all(url + "/get_reward", [body]))
+    # deadline promise: with no worker the gateway still answers, by its deadline
     assert DEADLINE_S - 0.5 <= time.monotonic() - started < DEADLINE_S + 6
     assert status == 200
     assert reply == {"rewards": [FALLBACK], "scores": [FALLBACK], "extra_logs": {"qrq_ok": [0.0]}}

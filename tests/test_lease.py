@@ -56,7 +56,7 @@ def test_workers_stop_calling_for_a_killed_client_within_the_lease(tmp_path, red
     stopped_after = last_grew - killed
     print(f"calls at kill {calls_at_kill}, in all {last} of 2000; "
           f"the last call came {stopped_after:.1f} s after the kill (lease {LEASE_S:g} s)")
-    assert stopped_after <= LEASE_S + 2, stopped_after
+    assert stopped_after <= LEASE_S + 2, stopped_after  # deadline promise: the lease
     assert last < 2000 // 3, last
     # ...and the worker drops the batch's queued chunks (their tasks end without a call)
     wait_for(lambda: "succeeded" in worker.log.read_text(), 30, "the dropped chunks")

@@ -236,6 +236,7 @@ def test_lease_of_a_killed_process_lapses_after_its_ttl(redis_url: str) -> None:
             held = limiter.status()["leases_in_use"]
             assert held == 1 or time.monotonic() - granted_at >= 1.45, held
             time.sleep(0.02)
+    # deadline promise: a dead holder's lease lapses after its lease_ttl_s (1.5 s), not later
     assert 1.4 <= reclaimed_at - granted_at <= 1.8
 
 
@@ -263,9 +264,11 @@ def test_aimd_shared_by_limiters(redis_url: str) -> None:
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs the redis-server binary")
 def test_waits_out_a_redis_outage_then_raises() -> None:
-    # Given a limiter pointed at a port where Redis starts only 1 s later
+    # Given a limiter pointed at a port where Redis starts only 1 s later (a wait that never
+    # ends raises after outage_wait_s: the bound of a hang)
     port = free_port()
-    limiter = Limiter(redis.Redis(port=port), "outage", rpm=600, max_concurrent=4)
+    limiter = Limiter(redis.Redis(port=port), "outage", rpm=600, max_concurrent=4,
+                      outage_wait_s=60)
     servers: list[subprocess.Popen] = []
     starter = threading.Timer(1.0, lambda: servers.append(subprocess.Popen(
         ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"],
@@ -280,7 +283,7 @@ def test_waits_out_a_redis_outage_then_raises() -> None:
         for server in servers:
             server.terminate()
             server.wait()
-    assert 1.0 <= time.monotonic() - started < 2.5
+    assert time.monotonic() - started >= 1.0
     # and when Redis never comes back, the call raises after outage_wait_s (this client does
     # not retry on its own; redis-py's default retries add up to a few seconds per attempt)
     client = redis.Redis(port=free_port(), retry=Retry(NoBackoff(), 0))
@@ -288,4 +291,5 @@ def test_waits_out_a_redis_outage_then_raises() -> None:
     started = time.monotonic()
     with pytest.raises(redis.ConnectionError), dead.acquire():
         pass
+    # deadline promise: a call gives up on an unreachable Redis after outage_wait_s
     assert 1.0 <= time.monotonic() - started < 2.0

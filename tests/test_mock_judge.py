@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import requests
+from support import wait_for
 
 from qreward_queue.errors import PermanentError
 from qreward_queue.groups import (
@@ -207,9 +208,7 @@ def test_concurrency_limit(make_judge) -> None:
     threads = [threading.Thread(target=hang) for _ in range(2)]
     for thread in threads:
         thread.start()
-    deadline = time.monotonic() + 2
-    while judge.stats()["in_flight"] < 2 and time.monotonic() < deadline:
-        time.sleep(0.005)
+    wait_for(lambda: judge.stats()["in_flight"] >= 2, 10, "both hanging calls", interval_s=0.005)
     refused = requests.post(judge.url + CHAT, json=chat("x"))
     for thread in threads:
         thread.join()

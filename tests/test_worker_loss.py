@@ -87,6 +87,7 @@ def test_nothing_lost_when_a_whole_worker_is_killed(tmp_path, redis_url):
             f"batch done {after_kill:.1f} s after the kill, {time.monotonic() - started:.1f} s "
             f"in all"
         )
+        # deadline promise: a dead worker's messages are back within the visibility timeout + sweep
         assert after_kill < BOUND_AFTER_KILL_S
         assert len(outcomes) == len(samples)
         judge_client = JudgeBackend(app.qrq_config.backend("j"))
@@ -95,11 +96,6 @@ def test_nothing_lost_when_a_whole_worker_is_killed(tmp_path, redis_url):
             assert outcome.score == verdict(judge_client.render(sample)), (i, outcome)
         # and the lost calls really were made again (every sample was answered at least once)
         assert judge.stats()["accepted"] >= len(samples)
-
-
-# A killed child is noticed within ~5 s (measured, celery-redis-notes section 3), the retry
-# waits default_retry_delay (qrq means 2 s), then the 1.5 s sample runs again: ~9 s in all.
-POOL_CHILD_BOUND_S = 20
 
 
 def test_killed_pool_child_task_is_redelivered_and_scored(tmp_path, redis_url):
@@ -133,15 +129,17 @@ def test_killed_pool_child_task_is_redelivered_and_scored(tmp_path, redis_url):
         assert first in child_pids(worker.proc.pid), "not a pool child of the worker"
         # When that pool child is SIGKILLed mid-task
         os.kill(first, signal.SIGKILL)
-        # Then the task runs again in another child and is scored, long before the VT
-        (outcome,) = batch.outcomes(timeout=POOL_CHILD_BOUND_S)
+        # Then the task runs again in another child and is scored, long before the VT: a killed
+        # child is noticed within ~5 s (celery-redis-notes section 3), the retry waits 2 s, the
+        # sample runs again: ~9 s (the batch's 120 s deadline bounds a hang, far below the 900 s
+        # after which kombu would redeliver the message)
+        (outcome,) = batch.outcomes()
         elapsed = time.monotonic() - started
         assert outcome.status == "ok", outcome
         assert outcome.score == 1.0
         runs = [int(p) for p in pid_file.read_text().split()]
         assert len(runs) >= 2 and runs[0] == first and runs[-1] != first, runs
         assert not pid_alive(first)
-        assert elapsed < POOL_CHILD_BOUND_S
         # and the worker itself lives on and noticed the loss
         assert worker.proc.poll() is None
         log = worker.log.read_text()

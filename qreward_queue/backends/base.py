@@ -79,7 +79,7 @@ def usage_split(body: Any) -> tuple[int, int] | None:
     usage = body.get("usage") if isinstance(body, dict) else None
     if not isinstance(usage, dict):
         return None
-    counts = [usage.get(k) for k in ("prompt_tokens", "completion_tokens")]
+    counts: list[Any] = [usage.get(k) for k in ("prompt_tokens", "completion_tokens")]
     if all(_plausible(c) for c in counts):
         return counts[0], counts[1]
     total = usage_tokens(body)

@@ -68,7 +68,7 @@ class FunctionBackend(BackendClient):
 
     @property
     def batch(self) -> int:
-        return max(1, self.config.chunk_size)
+        return max(1, self.config.chunk_size or 1)
 
     def call(self, samples: list[dict]) -> Call:
         load_function(self.config.function)  # a bad path fails the call here, before any fork
@@ -373,7 +373,7 @@ def _serve_loop(conn: Connection, slot, fn: Callable[..., Any], options: dict) -
             samples = json.loads(conn.recv_bytes())
         except (EOFError, OSError):
             return
-        out: list[float | list[str]] = []
+        out: list[float | list[float | str]] = []
         first, flushed = 0, time.monotonic()
         for k, sample in enumerate(samples):
             slot[1] = time.monotonic()

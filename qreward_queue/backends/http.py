@@ -161,7 +161,7 @@ def post_json(config: Backend, url: str, payload: dict) -> Reply:
             _kept()[server] = sock
         break
     raw, reply_headers = resp.body, resp.headers
-    facts = {"status_code": resp.status, "headers": reply_headers}
+    facts: dict[str, Any] = {"status_code": resp.status, "headers": reply_headers}
     text = raw[:500].decode("utf-8", "replace")
     if resp.status == 429:
         told = RateLimitHeaders.from_headers(reply_headers, None, config.limits.max_pause_s)

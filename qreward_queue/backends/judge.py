@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from ..errors import PermanentError
 from .base import BackendClient, Call, checked_score, usage_split, usage_tokens
@@ -16,6 +17,8 @@ class JudgeBackend(BackendClient):
     score that is not finite, outside `score_range`, or ambiguous (several different scores
     when `score_match` is "unique").
     """
+
+    endpoint: str  # always over HTTP
 
     def __init__(self, config):
         super().__init__(config)
@@ -33,7 +36,7 @@ class JudgeBackend(BackendClient):
         )
 
     def messages(self, sample: dict) -> list[dict[str, str]]:
-        system = [{"role": "system", "content": self.config.system_prompt}]
+        system = [{"role": "system", "content": self.config.system_prompt or ""}]
         return (system if self.config.system_prompt else []) + [
             {"role": "user", "content": self.render(sample)}
         ]
@@ -51,7 +54,7 @@ class JudgeBackend(BackendClient):
             "temperature": 0,
         }
         reply = post_json(self.config, self.endpoint, payload)
-        facts = {"status_code": reply.status_code, "headers": reply.headers}
+        facts: dict[str, Any] = {"status_code": reply.status_code, "headers": reply.headers}
         try:
             content = reply.body["choices"][0]["message"]["content"]
         except (KeyError, IndexError, TypeError):

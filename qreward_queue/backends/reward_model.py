@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..errors import PermanentError
 from .base import BackendClient, Call, checked_score, usage_split, usage_tokens
 from .http import post_json
@@ -10,6 +12,8 @@ from .http import post_json
 class RewardModelBackend(BackendClient):
     """Up to `batch_size` samples per call; a reply of the wrong shape fails the whole call,
     a bad score (not a number, too large, outside `score_range`) fails only its own item."""
+
+    endpoint: str  # always over HTTP
 
     def __init__(self, config):
         super().__init__(config)
@@ -29,7 +33,7 @@ class RewardModelBackend(BackendClient):
         if self.config.model:
             payload["model"] = self.config.model
         reply = post_json(self.config, self.endpoint, payload)
-        facts = {"status_code": reply.status_code, "headers": reply.headers}
+        facts: dict[str, Any] = {"status_code": reply.status_code, "headers": reply.headers}
         scores = reply.body.get("scores") if isinstance(reply.body, dict) else None
         if not isinstance(scores, list) or len(scores) != len(samples):
             raise PermanentError(

@@ -51,7 +51,7 @@ async def score_episode(prompt: str, completion: str, task_data: Mapping[str, An
                                             Priority.VAL if evaluation else Priority.TRAIN)
     if not outcome.scored and on_unscored == "raise":
         raise unscored_error(outcome)
-    return float(outcome.score)
+    return outcome.reward
 
 
 class QrqRewardMixin:

@@ -20,19 +20,21 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
+from typing import Any
 
 from .. import aio
 from ..client import submit_batch
 from ..priority import Priority
 from ..samples import Outcome
 
-_Key = tuple[str | None, str, float | None]
+_Key = tuple[str | None, Priority, float | None]
+_Item = tuple[dict[str, Any], Future[Outcome]]
 
 
 @dataclass
 class _Queue:
     opened: float
-    items: list[tuple[dict, Future]] = field(default_factory=list)
+    items: list[_Item] = field(default_factory=list)
 
 
 class MicroBatcher:
@@ -66,17 +68,18 @@ class MicroBatcher:
 
     def submit(
         self,
-        sample: dict,
+        sample: dict[str, Any],
         route: str | None = None,
         priority: Priority | str = Priority.TRAIN,
         deadline_s: float | None = None,
-    ) -> Future:
+    ) -> Future[Outcome]:
         """Queue one sample; the returned Future resolves to its Outcome."""
-        future: Future = Future()
+        future: Future[Outcome] = Future()
+        key = (route, Priority.parse(priority), deadline_s)  # a bad name fails here, not later
         if self._pid != os.getpid():
             self._start_fresh()
         with self._cond:
-            queue = self._queues.setdefault((route, priority, deadline_s), _Queue(time.monotonic()))
+            queue = self._queues.setdefault(key, _Queue(time.monotonic()))
             queue.items.append((sample, future))
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="qrq-microbatcher",
@@ -88,7 +91,7 @@ class MicroBatcher:
 
     async def score(
         self,
-        sample: dict,
+        sample: dict[str, Any],
         route: str | None = None,
         priority: Priority | str = Priority.TRAIN,
         deadline_s: float | None = None,
@@ -98,7 +101,7 @@ class MicroBatcher:
 
     async def score_many(
         self,
-        samples: Sequence[dict],
+        samples: Sequence[dict[str, Any]],
         route: str | None = None,
         priority: Priority | str | Sequence[Priority | str] = Priority.TRAIN,
         deadline_s: float | None = None,
@@ -127,7 +130,7 @@ class MicroBatcher:
         oldest = min(q.opened for q in self._queues.values())
         return max(0.0, oldest + self.max_wait_s - time.monotonic())
 
-    def _take_due(self) -> list[tuple[_Key, list[tuple[dict, Future]]]]:
+    def _take_due(self) -> list[tuple[_Key, list[_Item]]]:
         now, due = time.monotonic(), []
         for key, queue in list(self._queues.items()):
             if len(queue.items) >= self.max_items or now - queue.opened >= self.max_wait_s:
@@ -137,7 +140,7 @@ class MicroBatcher:
                         for i in range(0, len(items), self.max_items)]
         return due
 
-    def _send(self, key: _Key, items: list[tuple[dict, Future]]) -> None:
+    def _send(self, key: _Key, items: list[_Item]) -> None:
         route, priority, deadline_s = key
         try:
             batch = submit_batch([s for s, _ in items], route=route, priority=priority,
@@ -151,7 +154,7 @@ class MicroBatcher:
         watched = aio.watch(batch)
         watched.add_done_callback(lambda done: _distribute(done, items))
 
-        def caller_gone(_: Future) -> None:  # the last caller gone: nobody waits any more
+        def caller_gone(_: Future[Outcome]) -> None:  # the last caller gone: nobody waits any more
             futures = [f for _, f in items]
             if all(f.done() for f in futures) and any(f.cancelled() for f in futures):
                 watched.cancel()
@@ -160,17 +163,18 @@ class MicroBatcher:
             future.add_done_callback(caller_gone)
 
 
-def _distribute(done: Future, items: list[tuple[dict, Future]]) -> None:
+def _distribute(done: Future[list[Outcome]], items: list[_Item]) -> None:
     """The batch is over: whoever still waits learns its outcome (or the batch's error)."""
     if done.cancelled():  # every caller was served or cancelled: nobody to tell
         return
     error = done.exception()
-    outcomes = done.result() if error is None else [error] * len(items)
+    outcomes: Sequence[Outcome | BaseException] = (
+        done.result() if error is None else [error] * len(items))
     for (_, future), outcome in zip(items, outcomes, strict=True):
         _settle(future, outcome)
 
 
-def _settle(future: Future, value: Outcome | BaseException) -> None:
+def _settle(future: Future[Outcome], value: Outcome | BaseException) -> None:
     try:
         if isinstance(value, BaseException):
             future.set_exception(value)
@@ -205,7 +209,7 @@ if hasattr(os, "register_at_fork"):
 
 
 async def score_one(
-    sample: dict,
+    sample: dict[str, Any],
     route: str | None = None,
     priority: Priority | str = Priority.TRAIN,
     deadline_s: float | None = None,
@@ -215,7 +219,7 @@ async def score_one(
 
 
 def score_one_sync(
-    sample: dict,
+    sample: dict[str, Any],
     route: str | None = None,
     priority: Priority | str = Priority.TRAIN,
     deadline_s: float | None = None,

@@ -77,7 +77,7 @@ class Gateway:
         sample = make_sample(body["prompt"], body["response"], body.get("label"))
         priority = Priority.marked((body.get("metadata") or {}).get("qrq_priority"))
         [outcome] = await self.score([sample], self.slime_deadline_s, priority)
-        return web.json_response(float(outcome.score))
+        return web.json_response(outcome.reward)
 
     async def health(self, _: web.Request) -> web.Response:
         mode = "embedded" if get_app().qrq_config.embedded else "distributed"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import Any
 
 from ..priority import Priority
 from ..samples import Outcome
@@ -39,16 +40,16 @@ def response_of(query: str, prompt: str, eos_tokens: Sequence[str] = EOS_TOKENS)
 
 
 def samples_of(queries: Sequence[str], prompts: Sequence[str],
-               labels: Sequence[str] | None) -> list[dict]:
+               labels: Sequence[str | None] | None) -> list[dict[str, Any]]:
     """qrq samples for one OpenRLHF request."""
     labels = labels if labels is not None else [None] * len(queries)
     return [make_sample(p, response_of(q, p), label)
             for q, p, label in zip(queries, prompts, labels, strict=True)]
 
 
-def reply(outcomes: Sequence[Outcome]) -> dict:
+def reply(outcomes: Sequence[Outcome]) -> dict[str, Any]:
     """OpenRLHF's answer: numbers only (extra_logs become tensors)."""
-    scores = [float(o.score) for o in outcomes]
+    scores = [o.reward for o in outcomes]
     return {
         "rewards": scores,
         "scores": scores,
@@ -56,7 +57,7 @@ def reply(outcomes: Sequence[Outcome]) -> dict:
     }
 
 
-def reward_func(queries: list[str], prompts: list[str], labels: list[str]) -> dict:
+def reward_func(queries: list[str], prompts: list[str], labels: list[str]) -> dict[str, Any]:
     """OpenRLHF file mode: called positionally, synchronously (in a thread), lists of one."""
     route = os.environ.get("QRQ_ROUTE") or None
     batcher = default_batcher()

@@ -35,5 +35,5 @@ async def rm(args: Any, sample_or_samples: Any, **_: Any) -> float | list[float]
             sample.metadata = {}
         sample.metadata["qrq_status"] = outcome.status
         sample.remove_sample = bool(sample.remove_sample) or not outcome.scored
-    scores = [float(o.score) for o in outcomes]
+    scores = [o.reward for o in outcomes]
     return scores if isinstance(sample_or_samples, list) else scores[0]

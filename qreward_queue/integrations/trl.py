@@ -34,7 +34,7 @@ def qrq_reward(
     route: str | None = None,
     *,
     name: str = "qrq",
-    priority: str | None = None,
+    priority: Priority | None = None,
     deadline_s: float | None = None,
     reference_columns: Sequence[str] = REFERENCE_COLUMNS,
 ) -> RewardFunc:
@@ -45,7 +45,7 @@ def qrq_reward(
         prompts: list[Any],
         completions: list[Any],
         completion_ids: list[Any] | None = None,
-        log_extra: Callable[[str, list], None] | None = None,
+        log_extra: Callable[[str, list[Any]], None] | None = None,
         log_metric: Callable[[str, float], None] | None = None,
         **columns: Any,
     ) -> list[float | None]:
@@ -66,7 +66,7 @@ def qrq_reward(
             for status, count in summary["by_status"].items():
                 log_metric(f"{name}/{status}", count)
             log_metric(f"{name}/retries", summary["retries"])
-        return [float(o.score) if o.scored else None for o in outcomes]
+        return [o.reward if o.scored else None for o in outcomes]
 
     reward.__name__ = reward.__qualname__ = name
     return reward

@@ -53,18 +53,18 @@ VAL_SPLITS = frozenset({"test", "val", "valid", "validation", "eval"})
 EXTRA_KEYS = ("acc", "qrq_ok", "qrq_status", "qrq_backend")
 
 
-def priority_of(extra_info: Mapping | None) -> str:
+def priority_of(extra_info: Mapping[str, Any] | None) -> Priority:
     """`val` for validation rows (explicit qrq_priority, or the preprocess scripts' split)."""
     extra = extra_info or {}
     if extra.get("qrq_priority") in {p.value for p in Priority}:
-        return str(extra["qrq_priority"])
+        return Priority(extra["qrq_priority"])
     return Priority.VAL if str(extra.get("split", "")).lower() in VAL_SPLITS else Priority.TRAIN
 
 
 def extra_info_of(outcome: Outcome) -> dict[str, float | str]:
     """The fixed reward_extra_info keys (EXTRA_KEYS), never None."""
     return {
-        "acc": float(outcome.score),
+        "acc": outcome.reward,
         "qrq_ok": 1.0 if outcome.scored else 0.0,
         "qrq_status": outcome.status,
         "qrq_backend": outcome.backend or "",
@@ -72,7 +72,7 @@ def extra_info_of(outcome: Outcome) -> dict[str, float | str]:
 
 
 async def _score(prompt: Any, response: str, ground_truth: Any, data_source: Any,
-                 extra_info: Mapping | None, route: str | None, deadline_s: float | None,
+                 extra_info: Mapping[str, Any] | None, route: str | None, deadline_s: float | None,
                  on_unscored: str) -> Outcome:
     extra = dict(extra_info or {})  # a copy: verl mutates and shares this dict
     sample = make_sample(prompt, response, ground_truth, data_source, extra)
@@ -86,7 +86,7 @@ async def compute_score(
     data_source: Any = None,
     solution_str: str = "",
     ground_truth: Any = None,
-    extra_info: Mapping | None = None,
+    extra_info: Mapping[str, Any] | None = None,
     route: str | None = None,
     deadline_s: float | None = None,
     on_unscored: str = "fallback",
@@ -99,10 +99,10 @@ async def compute_score(
     prompt = extra.get("question", extra.get("prompt", ""))
     outcome = await _score(prompt, solution_str, ground_truth, data_source, extra, route,
                            deadline_s, on_unscored)
-    return {"score": float(outcome.score), **extra_info_of(outcome)}
+    return {"score": outcome.reward, **extra_info_of(outcome)}
 
 
-class QrqRewardManager(RewardManagerBase):
+class QrqRewardManager(RewardManagerBase):  # type: ignore[misc]  # verl has no type hints
     """verl reward manager: `run_single` scores the last sequence of `data` on qrq.
 
     Settings come from `+reward.qrq.{route,deadline_s,on_unscored}` in verl's config.
@@ -118,7 +118,7 @@ class QrqRewardManager(RewardManagerBase):
         self.on_unscored = str(settings.get("on_unscored", "fallback"))
         require_shared_limits("verl")
 
-    async def run_single(self, data: Any) -> dict:
+    async def run_single(self, data: Any) -> dict[str, Any]:
         item = data[-1]  # multi-output trajectories: the last sequence is scored, as naive does
         ids = item.batch["responses"]
         length = int(item.batch["attention_mask"][-ids.shape[-1]:].sum())
@@ -129,15 +129,16 @@ class QrqRewardManager(RewardManagerBase):
         truth = (nt.get("reward_model") or {}).get("ground_truth")
         outcome = await _score(prompt, response, truth, nt.get("data_source"), extra,
                                self.route, self.deadline_s, self.on_unscored)
-        return {"reward_score": float(outcome.score), "reward_extra_info": extra_info_of(outcome)}
+        return {"reward_score": outcome.reward, "reward_extra_info": extra_info_of(outcome)}
 
     def _prompt(self, item: Any) -> str:
         ids = item.batch["prompts"]
         mask = item.batch["attention_mask"][: ids.shape[-1]]
-        return self.tokenizer.decode(ids[mask == 1], skip_special_tokens=True)
+        text: str = self.tokenizer.decode(ids[mask == 1], skip_special_tokens=True)
+        return text
 
 
-def _qrq_settings(config: Any) -> dict:
+def _qrq_settings(config: Any) -> dict[str, Any]:
     reward = config.get("reward") if hasattr(config, "get") else None
     found = reward.get("qrq") if reward is not None and hasattr(reward, "get") else None
     return dict(found or {})

@@ -96,7 +96,7 @@ def fast_equal(predicted: str, gold: str) -> bool:
     a, b = as_number(predicted), as_number(gold)
     if a is None or b is None:
         return False
-    return abs(a - b) <= Fraction(1, 10**6) * max(1, abs(b))
+    return abs(a - b) <= Fraction(1, 10**6) * max(Fraction(1), abs(b))
 
 
 def _math_verify():
