@@ -1,8 +1,13 @@
-"""One small interface for every kind of backend: split a chunk into calls, make one call."""
+"""The kinds of backend, by the name `[backend] kind` gives them.
+
+A kind is one class (see `base.BackendClient`); KINDS is the one place a kind is added.
+"""
 
 from __future__ import annotations
 
-from ..config import Backend
+from functools import cache
+
+from ..settings import Backend
 from .base import BackendClient, Call
 from .function import FunctionBackend
 from .judge import JudgeBackend
@@ -15,8 +20,10 @@ KINDS: dict[str, type[BackendClient]] = {
 }
 
 
+@cache
 def make_backend(config: Backend) -> BackendClient:
+    """The client of `config`'s kind for it (one per distinct backend setting)."""
     return KINDS[config.kind](config)
 
 
-__all__ = ["BackendClient", "Call", "make_backend"]
+__all__ = ["KINDS", "BackendClient", "Call", "make_backend"]
