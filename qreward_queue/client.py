@@ -25,7 +25,7 @@ from celery.states import READY_STATES
 from . import keys, lease, metrics, records, redis_conn, redis_wait, spend
 from .app import HEARTBEAT_S, PRIORITIES, REDIS_READ_TIMEOUT_S, QrqCelery
 from .cache import ScoreCache, content_key, reward_identity
-from .capacity import count_queued, queue_depth, route_shares
+from .capacity import QueuedSamples, queue_depth, route_shares
 from .config import Route
 from .errors import Cancelled, DeadlineExceeded, RedisUnreachable, ScoringError
 from .liveness import NoWorkerWatch
@@ -249,9 +249,7 @@ class RewardBatch:
                         expires=expires,
                         **summary(chunk.backend, samples),
                     )
-            if not config.embedded:  # the planner's view of each backend's backlog
-                for queue, n in _sizes(chunks, config).items():
-                    count_queued(self.app.store, queue, n)
+            QueuedSamples.of(self.app).published(chunks, config)  # the planner's view
             if self._sentinel:
                 self._set_sentinel()
 
@@ -417,14 +415,6 @@ class RewardBatch:
         fallback = self.app.qrq_config.fallback_score
         for j in [i, *self._copies.get(i, ())]:
             self._outcomes[j] = outcome.placed(_id(self.samples[j]), fallback)
-
-
-def _sizes(chunks: list[Chunk], config) -> dict[str, int]:
-    sizes: dict[str, int] = {}
-    for c in chunks:
-        queue = config.backend(c.backend).queue
-        sizes[queue] = sizes.get(queue, 0) + len(c.indices)
-    return sizes
 
 
 def _describe(result: Any) -> str:

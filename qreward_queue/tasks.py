@@ -639,9 +639,8 @@ def _cancelled(done: list[dict | None], positions: list[int], why: str, backend:
 
 
 def _requeued(app, queue: str, n: int) -> None:
-    """The planner's count of samples waiting in `queue` (see capacity.py)."""
-    if not app.qrq_config.embedded:
-        capacity.count_queued(app.store, queue, n)
+    """The planner's count of samples waiting in `queue` (see capacity.QueuedSamples)."""
+    capacity.QueuedSamples.of(app).add({queue: n})
 
 
 def summary(backend: str, samples: list) -> dict[str, str]:

@@ -323,7 +323,7 @@ def test_route_shares_follow_rates_skip_open_circuits_and_count_backlog():
     weighted = Route(name="w", backends=("a", "b", "c"), weights=(3.0, 1.0, 1.0))
     assert route_shares(app, weighted, 300) == pytest.approx([112.5, 75, 112.5])  # 3:2:3
     # a backlog on c's queue moves new work to a and b
-    app.store.set("qrq:queued:qrq.c", 150)  # 150 samples waiting (capacity.count_queued)
+    app.store.set("qrq:queued:qrq.c", 150)  # 150 samples waiting (capacity.QueuedSamples)
     shares = route_shares(app, route, 300)
     # all three finish together: (300 + 150) / 3600 min, so c gets 1800 * 0.125 - 150
     assert shares == pytest.approx([75, 150, 75])
