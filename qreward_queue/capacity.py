@@ -34,7 +34,7 @@ class QueuedSamples:
 
     The client adds a batch's chunks as it publishes them; a worker takes a task's samples
     off as it starts it and adds back what it publishes again (a retry, a failover). Embedded
-    mode keeps no count: one process plans and runs everything, so every read is 0.
+    mode keeps no count (`counting` False): one process plans and runs everything.
     """
 
     def __init__(self, store, counting: bool = True):
@@ -68,8 +68,6 @@ class QueuedSamples:
 
     def read(self, queue: str) -> int:
         """Samples waiting in `queue` (never below 0: a lost message may leave the count high)."""
-        if not self.counting:
-            return 0
         return max(0, int(self.store.get(keys.queued_samples(queue)) or 0))
 
 

@@ -21,6 +21,7 @@ from qreward_queue.breaker import CircuitBreaker
 from qreward_queue.capacity import route_shares
 from qreward_queue.config import Backend, Config, Limits, Pool, Retry, Route
 from qreward_queue.errors import RateLimited
+from qreward_queue.ratelimit_headers import Feedback
 from qreward_queue.routing import Chunk, plan, spread, water_fill
 
 COOLDOWN_S = 0.5  # long enough that a loaded machine does not see it lapse mid-check
@@ -159,7 +160,8 @@ def test_probe_failure_reopens_the_breaker_at_once(store):
 class ScriptedClient:
     """A backend client answering from a script: an exception to raise or a score."""
 
-    batch = 1
+    samples_per_call = 1
+    runs_locally = False
 
     def __init__(self, *answers):
         self.answers, self.calls = list(answers), 0
@@ -176,6 +178,9 @@ class ScriptedClient:
         if isinstance(answer, Exception):
             raise answer
         return Call([answer], status_code=200, headers={}, details=["scripted"])
+
+    def feedback(self, result):
+        return Feedback.from_http(result.status_code, result.headers)
 
 
 def test_probe_answered_429_does_not_shut_the_backend(store, monkeypatch):
