@@ -81,7 +81,7 @@ def quad_tables(**options) -> dict:
     return {
         "backend": {"kind": "quad", "timeout_s": 10, "options": options},
         "limits": {"max_concurrent": 16},
-        "pool": {"concurrency": 4, "calls": 8},
+        "pool": {"concurrency": 1, "calls": 6},  # a round of calls: 6 samples, not whole calls
     }
 
 
@@ -131,12 +131,12 @@ def test_qrq_plan_counts_the_kinds_calls(tmp_path, quad_kind):
     p = plan_route(config, "quad", Workload(n=1000, latency_s=0.5))
     (q,) = p.backends
     assert (q.samples_per_call, q.calls) == (PER_CALL, 250)
-    # 8 calls in flight per worker, 0.5 s each: 16 calls/s, 4 samples each
-    assert q.binding == "worker calls" and q.rates["worker calls"] == 16.0
+    # 6 calls in flight per worker, 0.5 s each: 12 calls/s, 4 samples each
+    assert q.binding == "worker calls" and q.rates["worker calls"] == 12.0
     out = CliRunner().invoke(cli, ["plan", "--config", str(tmp_path / "qrq.toml"), "--route",
                                    "quad", "-n", "1000", "--latency-ms", "500"])
     assert out.exit_code == 0, out.output
-    assert f"q{' ' * 15}{1000:>8}{250:>7}{16.0:>9.1f}" in out.output
+    assert f"q{' ' * 15}{1000:>8}{250:>7}{12.0:>9.1f}" in out.output
 
 
 def test_the_cache_keys_scores_by_the_kinds_identity(tmp_path, quad_kind):
