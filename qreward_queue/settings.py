@@ -147,7 +147,8 @@ class Backend:
     score_match: str = "unique"  # several scores in one reply: unique | first | last
     batch_size: int = 16
     function: str | None = None
-    options: dict[str, Any] = field(default_factory=dict, hash=False)  # fn(sample, **options)
+    # a kind's own settings (a function: its keyword arguments, fn(sample, **options))
+    options: dict[str, Any] = field(default_factory=dict, hash=False)
     limits: Limits = field(default_factory=Limits)
     pool: Pool = field(default_factory=Pool)
     retry: Retry = field(default_factory=Retry)
