@@ -38,7 +38,8 @@ class Call:
 
 class BackendClient(ABC):
     """One kind of backend, bound to one backend's settings. Subclasses override the facts
-    that differ from these defaults (one HTTP sample per call, no options of its own)."""
+    that differ from these defaults (no options of its own, one sample per call, nothing
+    learned from replies); `http.HttpBackend` is the base of the kinds that POST."""
 
     # its calls run on the worker's own CPU, not on a server: one call per task in a pool of
     # processes (`[pool] concurrency`), no `[pool] calls` to size, no tokens spent
