@@ -108,6 +108,10 @@ def test_the_loader_asks_the_kind_for_its_keys(tmp_path, quad_kind):
     with pytest.raises(ConfigError, match=r"q\.toml: backend\.options: expected "
                                           r"options\.scale: a positive number"):
         load_backend(path)
+    unknown = qreward_queue.Config(None, {"g": Backend("g", "grpc")}, {})
+    with pytest.raises(ConfigError, match=r"<memory>: backend 'g': unknown kind 'grpc' "
+                                          r"\(known: judge, reward_model, function, quad\)"):
+        plan(unknown, unknown.route("g"), [0, 1])  # no silent fallback to another kind's facts
     path.write_text(toml_tables({"backend": {"kind": "grpc"}}))
     with pytest.raises(ConfigError, match=r"backend\.kind: expected one of judge, "
                                           r"reward_model, function, quad, got 'grpc'"):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from functools import cache
 
+from ..errors import ConfigError
 from ..settings import Backend
 from .base import BackendClient, Call
 from .function import FunctionBackend
@@ -23,7 +24,11 @@ KINDS: dict[str, type[BackendClient]] = {
 @cache
 def make_backend(config: Backend) -> BackendClient:
     """The client of `config`'s kind for it (one per distinct backend setting)."""
-    return KINDS[config.kind](config)
+    kind = KINDS.get(config.kind)
+    if kind is None:  # a Backend made in Python: the loader refuses such a file itself
+        raise ConfigError(f"{config.source}: backend {config.name!r}: unknown kind "
+                          f"{config.kind!r} (known: {', '.join(KINDS)})")
+    return kind(config)
 
 
 __all__ = ["KINDS", "BackendClient", "Call", "make_backend"]
