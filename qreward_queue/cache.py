@@ -9,8 +9,9 @@ import json
 import redis
 
 from . import keys
-from .config import Config, Route
+from .backends import make_backend
 from .samples import Outcome
+from .settings import Config, Route
 
 _CONTENT_FIELDS = ("prompt", "response", "reference", "data_source", "extra")
 
@@ -26,12 +27,11 @@ def content_key(sample: dict) -> str:
 
 
 def reward_identity(config: Config, route: Route) -> str:
-    """Changes whenever a backend of the route would score differently (model, template...)."""
+    """Changes whenever a backend of the route would score differently: what its kind says
+    decides its scores (`BackendClient.identity`: model, template...)."""
     parts = [route.name]
     for name in route.backends:
-        b = config.backend(name)
-        parts.append(json.dumps([b.kind, b.model, b.prompt_template, b.system_prompt,
-                                 b.score_pattern, b.function, b.max_tokens]))
+        parts.append(json.dumps(make_backend(config.backend(name)).identity()))
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 

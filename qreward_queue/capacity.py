@@ -1,14 +1,15 @@
 """What each backend can take now, read from Redis for the pure planner in routing.py:
 its rate (the limiter's learned or configured rpm, else its concurrency as a proxy; 0 while
-its circuit is open) and the samples already waiting in its queue (a counter kept by whoever
-publishes a task and by the worker that takes it: tasks differ in size, so queue length alone
-cannot say)."""
+its circuit is open) and the samples already waiting in its queue (`QueuedSamples`)."""
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterable, Mapping
+
 from . import keys
-from .config import Route
-from .routing import water_fill
+from .routing import Chunk, water_fill
+from .settings import Config, Route
 
 TYPICAL_BATCH = 4096  # `qrq status` counts queued tasks as chunks of a batch this big
 QUEUED_TTL_S = 3600  # a counter left by lost messages fades
@@ -27,18 +28,47 @@ def queue_depth(store, queue: str) -> int:
     return sum(queue_depths(store, queue).values())
 
 
-def count_queued(store, queue: str, n: int) -> None:
-    """`n` samples were published to (n < 0: taken from) `queue`; one round trip."""
-    if n:
-        with store.pipeline(transaction=False) as pipe:
-            pipe.incrby(keys.queued_samples(queue), n).expire(keys.queued_samples(queue),
-                                                              QUEUED_TTL_S)
+class QueuedSamples:
+    """The one owner of the planner's count of samples waiting in each backend's queue
+    (`keys.queued_samples`): tasks differ in size, so queue length alone cannot say.
+
+    The client adds a batch's chunks as it publishes them; a worker takes a task's samples
+    off as it starts it and adds back what it publishes again (a retry, a failover). Embedded
+    mode keeps no count (`counting` False): one process plans and runs everything.
+    """
+
+    def __init__(self, store, counting: bool = True):
+        self.store, self.counting = store, counting
+
+    @classmethod
+    def of(cls, app) -> QueuedSamples:
+        """The count `app` plans with (none in embedded mode)."""
+        return cls(app.store, not app.qrq_config.embedded)
+
+    def add(self, samples: Mapping[str, int]) -> None:
+        """`samples[queue]` samples were published to (< 0: taken from) each queue; one
+        round trip. A count left behind by lost messages fades after QUEUED_TTL_S."""
+        changes = {queue: n for queue, n in samples.items() if n}
+        if not (self.counting and changes):
+            return
+        with self.store.pipeline(transaction=False) as pipe:
+            for queue, n in changes.items():
+                pipe.incrby(keys.queued_samples(queue), n)
+                pipe.expire(keys.queued_samples(queue), QUEUED_TTL_S)
             pipe.execute()
 
+    def published(self, chunks: Iterable[Chunk], config: Config) -> None:
+        """`chunks` went onto their backends' queues."""
+        if not self.counting:
+            return
+        sizes: Counter[str] = Counter()
+        for chunk in chunks:
+            sizes[config.backend(chunk.backend).queue] += len(chunk.indices)
+        self.add(sizes)
 
-def queued(store, queue: str) -> int:
-    """Samples waiting in `queue` (never below 0: a lost message may leave the count high)."""
-    return max(0, int(store.get(keys.queued_samples(queue)) or 0))
+    def read(self, queue: str) -> int:
+        """Samples waiting in `queue` (never below 0: a lost message may leave the count high)."""
+        return max(0, int(self.store.get(keys.queued_samples(queue)) or 0))
 
 
 def backend_rate(app, name: str) -> float:
@@ -55,8 +85,8 @@ def backend_rate(app, name: str) -> float:
 
 def of(app, names: list[str]) -> tuple[list[float], list[float]]:
     """(rates, queued samples) of the backends `names`, for `routing.water_fill`."""
-    rates = [backend_rate(app, b) for b in names]
-    return rates, [queued(app.store, app.backend_config(b).queue) for b in names]
+    rates, count = [backend_rate(app, b) for b in names], QueuedSamples.of(app)
+    return rates, [count.read(app.backend_config(b).queue) for b in names]
 
 
 def route_shares(app, route: Route, n: int) -> list[float]:

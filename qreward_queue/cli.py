@@ -241,6 +241,7 @@ def worker(
     from celery.signals import after_setup_logger, after_setup_task_logger
 
     from .app import QrqCelery
+    from .backends import make_backend
     from .redact import install_log_filter
     from .tasks import TASK_NAME, call_pool
 
@@ -296,7 +297,7 @@ def worker(
         click.echo(f"qrq: warning: {warning}", err=True)
     for logging_ready in (after_setup_logger, after_setup_task_logger):  # no key in a log line
         logging_ready.connect(lambda logger, **_: install_log_filter(logger), weak=False)
-    if backend.pool.type == "threads" and backend.kind != "function":
+    if backend.pool.type == "threads" and not make_backend(backend).runs_locally:
         call_pool(backend)  # its threads and connections exist before the first task
     app.worker_main(argv)
 

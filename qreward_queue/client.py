@@ -26,8 +26,8 @@ from celery.states import READY_STATES
 from . import keys, lease, records, redis_conn, redis_wait, spend
 from .app import HEARTBEAT_S, REDIS_READ_TIMEOUT_S, QrqCelery
 from .cache import ScoreCache, content_key, record_cache, reward_identity
-from .capacity import count_queued, queue_depth, route_shares
-from .config import Config, Route
+from .capacity import QueuedSamples, queue_depth, route_shares
+from .config import Route
 from .errors import Cancelled, DeadlineExceeded, RedisUnreachable, ScoringError
 from .liveness import NoWorkerWatch
 from .priority import Priority
@@ -271,9 +271,7 @@ class RewardBatch:
                         expires=expires,
                         **summary(chunk.backend, samples),
                     )
-            if not config.embedded:  # the planner's view of each backend's backlog
-                for queue, n in _sizes(chunks, config).items():
-                    count_queued(self.app.store, queue, n)
+            QueuedSamples.of(self.app).published(chunks, config)  # the planner's view
             if self._sentinel:
                 self._set_sentinel(self._sentinel)
 
@@ -464,14 +462,6 @@ def _chunk_outcomes(chunk: Chunk, meta: dict[str, Any]) -> list[Outcome]:
         else ScoringError(f"task {status}: {_describe(result)}")
     )
     return [Outcome.failed(error) for _ in chunk.indices]
-
-
-def _sizes(chunks: list[Chunk], config: Config) -> dict[str, int]:
-    sizes: dict[str, int] = {}
-    for c in chunks:
-        queue = config.backend(c.backend).queue
-        sizes[queue] = sizes.get(queue, 0) + len(c.indices)
-    return sizes
 
 
 def _describe(result: Any) -> str:

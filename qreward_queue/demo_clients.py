@@ -35,7 +35,10 @@ def _retry_after_s(headers: dict[str, str]) -> float:
 
 
 def _score(judge: JudgeBackend, body: dict) -> float:
-    return float(judge.pattern.search(body["choices"][0]["message"]["content"]).group(1))
+    found = judge.pattern.search(body["choices"][0]["message"]["content"])
+    if found is None:
+        raise ValueError("the judge's reply holds no score")
+    return float(found.group(1))
 
 
 def naive_score(backend: Backend, samples: list[dict]) -> list[float]:

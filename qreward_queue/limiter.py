@@ -31,7 +31,7 @@ from redis.commands.core import Script
 
 from . import keys
 from .errors import LimiterBusy
-from .ratelimit_headers import DEFAULT_MAX_PAUSE_S, RateLimitHeaders
+from .ratelimit_headers import DEFAULT_MAX_PAUSE_S, Feedback
 
 log = logging.getLogger(__name__)
 
@@ -95,13 +95,20 @@ class Grant:
 
     def finish(self, status_code: int | None = None, headers: Mapping[str, str] | None = None,
                timed_out: bool = False) -> float:
-        """One round trip: reconcile tokens, learn from the reply, release the lease.
+        """One round trip: reconcile tokens, learn from the HTTP reply, release the lease.
         Returns the pause it ordered for everyone (0: none)."""
+        return self.learn(Feedback.from_http(status_code, headers, timed_out,
+                                             self._limiter.max_pause_s))
+
+    def learn(self, feedback: Feedback) -> float:
+        """`finish` with what a backend's kind read from its reply (`BackendClient.feedback`):
+        the tokens it reports settle the call's booking."""
         if self.finished:
             return 0.0
         self.finished = True
-        refund = 0.0 if self._used_tokens is None else self.tokens - self._used_tokens
-        return self._limiter._finish([self.holder], status_code, headers, timed_out, refund)
+        used = self._used_tokens if feedback.tokens is None else feedback.tokens
+        refund = 0.0 if used is None else self.tokens - used
+        return self._limiter._finish([self.holder], feedback, refund)
 
 
 class Limiter:
@@ -214,7 +221,11 @@ class Limiter:
     def feedback(self, status_code: int | None, headers: Mapping[str, str] | None = None,
                  timed_out: bool = False) -> float:
         """Teach the limiter what the backend answered, outside a grant (see `Grant.finish`)."""
-        return self._finish([], status_code, headers, timed_out, 0.0)
+        return self.learn(Feedback.from_http(status_code, headers, timed_out, self.max_pause_s))
+
+    def learn(self, feedback: Feedback) -> float:
+        """`feedback` with what a backend's kind read from its reply (see `Grant.learn`)."""
+        return self._finish([], feedback, 0.0)
 
     def pause(self, seconds: float) -> None:
         """Stop every worker of this backend for ``seconds`` (at most ``max_pause_s``)."""
@@ -257,8 +268,7 @@ class Limiter:
                 return
             time.sleep(extra_ms / 1000)
 
-    def _finish(self, holders: list[str], status_code: int | None,
-                headers: Mapping[str, str] | None, timed_out: bool, refund: float) -> float:
+    def _finish(self, holders: list[str], feedback: Feedback, refund: float) -> float:
         """A 429 of an exhausted rate pauses the backend for everyone for Retry-After (else the
         reset of the exhausted limit; without either, no one: each call backs off with
         jitter). A 429 while the headers say requests and tokens are left is congestion (a
@@ -270,16 +280,15 @@ class Limiter:
         Successes may wait up to ``finish_delay_s`` to be sent together (embedded mode, where
         every script costs interpreter time); anything else is sent at once, with them.
         """
-        h = RateLimitHeaders.from_headers(headers, max_pause_s=self.max_pause_s)
+        h = feedback.told
         if h.bounded:
             self.bounded = h.bounded
             log.warning("backend %s: reply out of bounds: %s", self.backend, "; ".join(h.bounded))
-        ok = status_code is not None and 200 <= status_code < 300
-        event = "timeout" if timed_out else "ok" if ok else ""
+        event = "timeout" if feedback.timed_out else "ok" if feedback.answered else ""
         pause_s = 0.0
-        if status_code == 429 and h.rate_left():
+        if feedback.rate_limited and h.rate_left():
             event = "congested"  # too many calls in flight: cut concurrency, pause no one
-        elif status_code == 429:  # exhausted: pause everyone; unknown why: also cut
+        elif feedback.rate_limited:  # exhausted: pause everyone; unknown why: also cut
             event = "exhausted" if 0 in (h.remaining_requests, h.remaining_tokens) else "429"
             pause_s = h.pause_s()
         told = {

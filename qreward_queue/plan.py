@@ -23,8 +23,8 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 
-from .config import Backend, Config
-from .limiter import estimate_tokens
+from .backends import make_backend
+from .settings import Backend, Config
 
 SERVICE_LIMITS = ("rpm", "tpm", "concurrency")  # the service sets these; we cannot raise them
 
@@ -80,25 +80,28 @@ class Plan:
 
 
 def samples_per_call(backend: Backend) -> int:
-    """Samples one backend call scores: a judge 1, a reward model its batch, a function a chunk."""
-    return {"judge": 1, "reward_model": backend.batch_size}.get(backend.kind,
-                                                                backend.chunk_size or 1)
+    """Samples one backend call scores, as its kind says (a judge 1, a reward model its batch,
+    a function its chunk)."""
+    return make_backend(backend).samples_per_call
+
+
+def runs_locally(backend: Backend) -> bool:
+    """Its calls run on the worker's CPU (a function): CPU-bound, its processes are its calls."""
+    return make_backend(backend).runs_locally
 
 
 def tokens_per_call(backend: Backend, work: Workload) -> int:
-    """What the limiter books (and OpenAI-style servers charge): input tokens + max_tokens."""
-    filler = {k: "x" * round(4 * t) for k, t in (("prompt", work.prompt_tokens),
+    """What the limiter books (and OpenAI-style servers charge), as the backend's kind
+    estimates it for one call of samples of the workload's mean sizes."""
+    sample = {k: "x" * round(4 * t) for k, t in (("prompt", work.prompt_tokens),
                                                  ("response", work.response_tokens))}
-    if backend.kind == "judge":
-        text = backend.prompt_template.format(reference="", data_source="", extra="", **filler)
-        text += backend.system_prompt or ""
-        return estimate_tokens(text, backend.max_tokens)
-    return samples_per_call(backend) * estimate_tokens(filler["prompt"] + filler["response"])
+    client = make_backend(backend)  # whole tokens per sample, as providers count them
+    return client.samples_per_call * math.ceil(client.estimate_tokens([sample]))
 
 
 def cpu_s_per_call(backend: Backend, work: Workload) -> float:
     """Worker CPU one call costs: the function itself, or qrq's own work around an HTTP call."""
-    if backend.kind == "function":
+    if runs_locally(backend):
         return work.cpu_s_per_sample * samples_per_call(backend)
     return work.cpu_s_per_call
 
@@ -112,12 +115,12 @@ def backend_rates(backend: Backend, work: Workload) -> tuple[dict[str, float], i
         rates["rpm"] = limits.rpm / 60
     if limits.tpm and tokens:
         rates["tpm"] = limits.tpm / 60 / tokens
-    if limits.max_concurrent and backend.kind != "function":
+    local = runs_locally(backend)
+    if limits.max_concurrent and not local:
         rates["concurrency"] = limits.max_concurrent / work.latency(backend.name)
-    busy_s = (cpu_s_per_call(backend, work) if backend.kind == "function"
-              else work.latency(backend.name))
+    busy_s = cpu_s_per_call(backend, work) if local else work.latency(backend.name)
     # calls in flight per worker: its call pool for HTTP backends, its processes for functions
-    per_worker = pool.concurrency if backend.kind == "function" else pool.calls
+    per_worker = pool.concurrency if local else pool.calls
     rates["worker calls"] = work.workers.get(backend.name, 1) * per_worker / busy_s
     return rates, tokens
 
@@ -154,8 +157,7 @@ def plan_route(config: Config, route_name: str | None, work: Workload,
 
 def _wall_s(backend: Backend, calls: int, rate: float, work: Workload) -> float:
     """calls / rate plus the last call's time: never faster than the binding limit allows."""
-    last = (cpu_s_per_call(backend, work) if backend.kind == "function"
-            else work.latency(backend.name))
+    last = cpu_s_per_call(backend, work) if runs_locally(backend) else work.latency(backend.name)
     return calls / rate + last
 
 
@@ -177,7 +179,7 @@ def advise(members: list[Backend], plan: Plan, work: Workload, target_s: float) 
         reach = min(need, ceiling)
         cores_needed += reach * cpu_s_per_call(b, work)
         calls = p.rates["worker calls"]
-        knob = "concurrency" if b.kind == "function" else "calls"
+        knob = "concurrency" if runs_locally(b) else "calls"
         if calls < reach:
             workers = work.workers.get(b.name, 1)
             per_worker = calls / workers

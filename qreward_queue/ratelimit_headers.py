@@ -174,3 +174,40 @@ class RateLimitHeaders:
             if reset is not None and not left
         ]
         return min(max(exhausted, default=default_s), self.max_pause_s)
+
+
+@dataclass(frozen=True)
+class Feedback:
+    """What one call taught flow control, as its backend's kind reads the reply (see
+    `BackendClient.feedback`): the limiter learns only from this, whatever the transport.
+
+    The default says nothing: the lease is released and no limit learned (a function).
+
+    >>> f = Feedback.from_http(429, {"retry-after": "2", "x-ratelimit-remaining-requests": "0"})
+    >>> f.rate_limited, f.answered, f.told.pause_s()
+    (True, False, 2.0)
+    """
+
+    answered: bool = False  # the service took the call and answered it (HTTP 2xx)
+    rate_limited: bool = False  # the service refused it for its rate (HTTP 429)
+    timed_out: bool = False  # no reply within the call's timeout
+    told: RateLimitHeaders = field(default_factory=RateLimitHeaders)  # its limits, as it said
+    tokens: int | None = None  # tokens the call used, as the reply reported them
+
+    @classmethod
+    def from_http(
+        cls,
+        status_code: int | None,
+        headers: Mapping[str, str] | None,
+        timed_out: bool = False,
+        max_pause_s: float = DEFAULT_MAX_PAUSE_S,
+        tokens: int | None = None,
+    ) -> Feedback:
+        """An HTTP reply's status and `x-ratelimit-*` / `Retry-After` headers."""
+        return cls(
+            answered=status_code is not None and 200 <= status_code < 300,
+            rate_limited=status_code == 429,
+            timed_out=timed_out,
+            told=RateLimitHeaders.from_headers(headers, max_pause_s=max_pause_s),
+            tokens=tokens,
+        )

@@ -8,7 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .config import Backend, Config, Route
+from .backends import make_backend
+from .settings import Backend, Config, Route
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ def chunk_size(backend: Backend, n: int) -> int:
     never fewer than fill the worker's calls with the `pool.concurrency` chunks it runs at once.
 
     >>> chunk_size(Backend("j", "judge"), 4096), chunk_size(Backend("j", "judge"), 40)
-    (32, 16)
+    (64, 32)
     """
     if backend.chunk_size:
         return backend.chunk_size
@@ -65,9 +66,8 @@ def chunk_size(backend: Backend, n: int) -> int:
     size = min(MAX_CHUNK, backend.pool.calls, max(fill, math.ceil(n / CHUNKS_PER_BATCH)))
     if backend.limits.rpm:
         size = min(size, math.ceil(backend.limits.rpm / 60 * CHUNK_SECONDS))
-    if backend.kind == "reward_model":  # whole calls per task
-        size = backend.batch_size * max(1, size // backend.batch_size)
-    return max(1, size)
+    per_call = make_backend(backend).samples_per_call  # whole calls per task
+    return max(1, per_call * max(1, size // per_call))
 
 
 def plan(

@@ -42,6 +42,7 @@ from .errors import (
     TransientError,
 )
 from .limiter import Grant, Limiter
+from .ratelimit_headers import Feedback
 from .routing import failover_target
 from .samples import Outcome
 from .spend import Booking, Ledger, Usage
@@ -389,7 +390,7 @@ class ChunkRunner:
             self._spent(batch, None, booking, replied=200 <= (exc.status_code or 0) < 300)
             metrics.record_request(name, exc.status_code, time.monotonic() - started,
                                    "timeout" if exc.timed_out else "error")
-            paused = self._learn(grant, exc.status_code, exc.headers, exc.timed_out,
+            paused = self._learn(grant, self.client.feedback(exc),
                                  failed=isinstance(exc, TransientError))
             if paused:  # the limiter holds everyone back: no wait of the caller's own
                 exc.retry_after_s = 0.0
@@ -403,9 +404,7 @@ class ChunkRunner:
         metrics.record_request(name, call.status_code, time.monotonic() - started)
         if self.pool is not None:
             self.pool.observe(time.monotonic() - started)
-        if grant is not None and call.tokens is not None:
-            grant.settle(actual_tokens=call.tokens)
-        self._learn(grant, call.status_code, call.headers, False, failed=False)
+        self._learn(grant, self.client.feedback(call), failed=False)
         return call
 
     def _clearance(self, batch: list[dict]) -> Booking | None:
@@ -430,7 +429,7 @@ class ChunkRunner:
             return
         if call is not None and call.usage is not None:
             usage = Usage(*call.usage)
-        elif replied and self.config.kind != "function":  # a function has no tokens
+        elif replied and not self.client.runs_locally:  # a local call spends no tokens
             usage = Usage.estimate(*self.client.estimate_usage(batch))
         else:
             usage = Usage(0, 0)
@@ -443,14 +442,14 @@ class ChunkRunner:
             return exc.retry_after_s
         return backoff_s(self.config.retry, attempt)
 
-    def _learn(self, grant: Grant | None, status_code, headers, timed_out: bool,
-               failed: bool) -> float:
-        """Tell the limiter and breaker how the call went; the pause it ordered (0: none)."""
+    def _learn(self, grant: Grant | None, feedback: Feedback, failed: bool) -> float:
+        """Tell the limiter what the backend's kind read from the reply, and the breaker how
+        the call went; the pause it ordered (0: none)."""
         paused = 0.0
         if grant is not None:
-            paused = grant.finish(status_code, headers, timed_out)
+            paused = grant.learn(feedback)
         elif self.limiter is not None:
-            paused = self.limiter.feedback(status_code, headers, timed_out=timed_out)
+            paused = self.limiter.learn(feedback)
         if self.breaker is not None:  # a 429 counts as alive: flow control handles it
             self.breaker.failure() if failed else self.breaker.success()
         return paused
@@ -640,9 +639,8 @@ def _cancelled(done: list[dict | None], positions: list[int], why: str, backend:
 
 
 def _requeued(app, queue: str, n: int) -> None:
-    """The planner's count of samples waiting in `queue` (see capacity.py)."""
-    if not app.qrq_config.embedded:
-        capacity.count_queued(app.store, queue, n)
+    """The planner's count of samples waiting in `queue` (see capacity.QueuedSamples)."""
+    capacity.QueuedSamples.of(app).add({queue: n})
 
 
 def summary(backend: str, samples: list) -> dict[str, str]:

@@ -92,14 +92,16 @@ class Worker:
         timeout_s=30.0,
         extra_env: dict[str, str] | None = None,
         extra_args: tuple[str, ...] = (),
+        launcher: tuple[str, ...] = ("-m", "qreward_queue.cli"),
     ):
+        """`launcher`: what python runs instead of `-m qreward_queue.cli` (e.g. `-c` code that
+        registers a test-only backend kind before it calls the CLI)."""
         self.log = config.parent / f"worker-{name or backend}-{time.monotonic_ns()}.log"
         env = {**os.environ, "QRQ_CONFIG": str(config), **(extra_env or {})}
         env.pop("QRQ_REDIS_URL", None)
         cmd = [
             sys.executable,
-            "-m",
-            "qreward_queue.cli",
+            *launcher,
             "worker",
             str(config.parent / "workers" / f"{backend}.toml"),
             "--loglevel",

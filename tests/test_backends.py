@@ -305,7 +305,7 @@ def test_missing_api_key_env_var_names_the_variable_and_sends_nothing(stub, monk
 def test_reward_model_batch_scores_equal_rm_verdict(judge):
     config = rm_config(judge.url)
     backend = make_backend(config)
-    assert isinstance(backend, RewardModelBackend) and backend.batch == 8
+    assert isinstance(backend, RewardModelBackend) and backend.samples_per_call == 8
     samples = [sample(i) for i in range(6)] + [{"prompt": "é", "response": "\U0001f600"}]
     call = backend.call(samples)
     assert call.scores == [rm_verdict(s["prompt"], s["response"]) for s in samples]

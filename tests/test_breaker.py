@@ -22,6 +22,7 @@ from qreward_queue.breaker import CircuitBreaker
 from qreward_queue.capacity import route_shares
 from qreward_queue.config import Backend, Config, Limits, Pool, Retry, Route
 from qreward_queue.errors import RateLimited
+from qreward_queue.ratelimit_headers import Feedback
 from qreward_queue.routing import Chunk, plan, spread, water_fill
 
 COOLDOWN_S = 0.5  # long enough that a loaded machine does not see it lapse mid-check
@@ -157,7 +158,8 @@ def test_probe_failure_reopens_the_breaker_at_once(store):
 class ScriptedClient:
     """A backend client answering from a script: an exception to raise or a score."""
 
-    batch = 1
+    samples_per_call = 1
+    runs_locally = False
 
     def __init__(self, *answers):
         self.answers, self.calls = list(answers), 0
@@ -174,6 +176,9 @@ class ScriptedClient:
         if isinstance(answer, Exception):
             raise answer
         return Call([answer], status_code=200, headers={}, details=["scripted"])
+
+    def feedback(self, result):
+        return Feedback.from_http(result.status_code, result.headers)
 
 
 def test_probe_answered_429_does_not_shut_the_backend(store, monkeypatch):
@@ -321,7 +326,7 @@ def test_route_shares_follow_rates_skip_open_circuits_and_count_backlog():
     weighted = Route(name="w", backends=("a", "b", "c"), weights=(3.0, 1.0, 1.0))
     assert route_shares(app, weighted, 300) == pytest.approx([112.5, 75, 112.5])  # 3:2:3
     # a backlog on c's queue moves new work to a and b
-    app.store.set("qrq:queued:qrq.c", 150)  # 150 samples waiting (capacity.count_queued)
+    app.store.set("qrq:queued:qrq.c", 150)  # 150 samples waiting (capacity.QueuedSamples)
     shares = route_shares(app, route, 300)
     # all three finish together: (300 + 150) / 3600 min, so c gets 1800 * 0.125 - 150
     assert shares == pytest.approx([75, 150, 75])

@@ -138,7 +138,7 @@ def test_queued_backlog_steers_new_work_to_the_idle_backend(tmp_path, redis_url,
     backlog_samples = samples_for(60, "backlog")
     backlog = qreward_queue.submit_batch(backlog_samples, route="a", app=app, deadline_s=60)
     assert queue_depth(app.store, app.backend_config("a").queue) == 60
-    assert capacity.queued(app.store, "qrq.a") == 60  # the planner's count of samples
+    assert capacity.QueuedSamples(app.store).read("qrq.a") == 60  # the planner's count of samples
     # When 60 new samples are submitted on the route
     fresh = samples_for(60, "fresh")
     batch = qreward_queue.submit_batch(fresh, route="r", app=app, deadline_s=60)

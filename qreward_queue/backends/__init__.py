@@ -1,8 +1,14 @@
-"""One small interface for every kind of backend: split a chunk into calls, make one call."""
+"""The kinds of backend, by the name `[backend] kind` gives them.
+
+A kind is one class (see `base.BackendClient`); KINDS is the one place a kind is added.
+"""
 
 from __future__ import annotations
 
-from ..config import Backend
+from functools import cache
+
+from ..errors import ConfigError
+from ..settings import Backend
 from .base import BackendClient, Call
 from .function import FunctionBackend
 from .judge import JudgeBackend
@@ -15,8 +21,14 @@ KINDS: dict[str, type[BackendClient]] = {
 }
 
 
+@cache
 def make_backend(config: Backend) -> BackendClient:
-    return KINDS[config.kind](config)
+    """The client of `config`'s kind for it (one per distinct backend setting)."""
+    kind = KINDS.get(config.kind)
+    if kind is None:  # a Backend made in Python: the loader refuses such a file itself
+        raise ConfigError(f"{config.source}: backend {config.name!r}: unknown kind "
+                          f"{config.kind!r} (known: {', '.join(KINDS)})")
+    return kind(config)
 
 
-__all__ = ["BackendClient", "Call", "make_backend"]
+__all__ = ["KINDS", "BackendClient", "Call", "make_backend"]

@@ -1,5 +1,9 @@
-"""The backend interface: a backend splits a chunk into calls and makes one call at a time.
+"""The backend interface: everything qrq knows about a kind of backend, in its own class.
 
+A kind says which keys of the `[backend]` table it reads (and checks them), how many samples
+one call takes, what decides its scores (the cache's identity), what a call costs in tokens,
+what its replies teach the limiter, and makes the call. The planner, the chunker, the cache,
+the loader and the worker's call path ask the kind (`backends.KINDS`), never its name.
 The worker task wraps every call in the global limiter and handles retries, so a backend
 only turns samples into a request and a reply into scores (or precise errors).
 """
@@ -10,11 +14,12 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
-from ..config import Backend
 from ..errors import PermanentError, ScoringError
-from .http import connect
+from ..ratelimit_headers import Feedback
+from ..settings import Backend
+from ..toml_table import Table
 
 MAX_USAGE_TOKENS = 10**12  # more than any call can cost: a larger count is garbage
 
@@ -32,38 +37,75 @@ class Call:
 
 
 class BackendClient(ABC):
-    """Turns samples into backend calls. Subclasses set how many samples one call takes."""
+    """One kind of backend, bound to one backend's settings. Subclasses override the facts
+    that differ from these defaults (no options of its own, one sample per call, nothing
+    learned from replies); `http.HttpBackend` is the base of the kinds that POST."""
 
-    endpoint: str | None = None  # where its calls go over HTTP (None: not over HTTP)
+    # its calls run on the worker's own CPU, not on a server: one call per task in a pool of
+    # processes (`[pool] concurrency`), no `[pool] calls` to size, no tokens spent
+    runs_locally: ClassVar[bool] = False
+    default_chunk_size: ClassVar[int | None] = None  # samples per task when the file sets none
 
     def __init__(self, config: Backend):
         self.config = config
 
+    @classmethod
+    def read_options(cls, table: Table) -> dict[str, Any]:
+        """This kind's own keys of the `[backend]` table, checked, as `Backend` keyword
+        arguments (a wrong one raises or is noted on `table`, naming its file and key)."""
+        return {}
+
     def connect(self) -> None:
-        """Open the calling thread's kept-alive connection ahead of its first call."""
-        if self.endpoint is not None:
-            connect(self.endpoint, self.config.timeout_s)
+        """Make ready for the calling thread's first call (an HTTP kind opens its connection)."""
+        return None
 
     def split(self, samples: list[dict]) -> list[list[int]]:
-        """Positions of `samples` grouped into calls; default: `batch` samples per call."""
-        size = self.batch
+        """Positions of `samples` grouped into calls: `samples_per_call` at a time."""
+        size = self.samples_per_call
         return [list(range(i, min(i + size, len(samples)))) for i in range(0, len(samples), size)]
 
     @property
-    def batch(self) -> int:
+    def samples_per_call(self) -> int:
+        """Samples one call scores; a chunk is cut in whole calls of this many."""
         return 1
 
+    def identity(self) -> list[Any]:
+        """What decides this backend's scores: cached scores are shared only between equal
+        identities (of one route). A kind whose scores depend on other settings adds them."""
+        c = self.config
+        return [c.kind, c.model, c.prompt_template, c.system_prompt, c.score_pattern,
+                c.function, c.max_tokens]
+
     def estimate_usage(self, samples: list[dict]) -> tuple[float, float]:
-        """Tokens in and out the call will cost, before we know (chars / 4, output budget)."""
-        chars = sum(len(s["prompt"]) + len(s["response"]) for s in samples)
-        return chars / 4, float(self.config.max_tokens * len(samples))
+        """Tokens in and out the call will cost, before we know (chars / 4, no output)."""
+        return sum(len(s["prompt"]) + len(s["response"]) for s in samples) / 4, 0.0
 
     def estimate_tokens(self, samples: list[dict]) -> float:
+        """What the limiter books for the call before it is made."""
         return sum(self.estimate_usage(samples))
+
+    def feedback(self, result: Call | ScoringError) -> Feedback:
+        """What the call's reply (or failure) teaches the limiter; by default nothing."""
+        return Feedback()
 
     @abstractmethod
     def call(self, samples: list[dict]) -> Call:
         """Score `samples` in one call; raise a ScoringError when the whole call failed."""
+
+
+def read_score_range(t: Table, default: tuple[float, float] | None
+                     ) -> tuple[float, float] | None:
+    """`score_range = [low, high]`: the scores this backend can validly give."""
+    value = t.get("score_range", list, None, expected="[low, high]")
+    if value is None:
+        return default
+    numbers = [v for v in value if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    if len(value) != 2 or len(numbers) != 2 or not all(map(math.isfinite, numbers)):
+        raise t.fail("score_range", "[low, high]: two finite numbers")
+    low, high = map(float, numbers)
+    if low > high:
+        raise t.fail("score_range", "[low, high] with low <= high")
+    return low, high
 
 
 def usage_tokens(body: Any) -> int | None:

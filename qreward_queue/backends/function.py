@@ -23,6 +23,7 @@ import math
 import mmap
 import multiprocessing
 import os
+import re
 import resource
 import signal
 import subprocess
@@ -35,8 +36,9 @@ from functools import cache
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ..config import Backend
 from ..errors import PermanentError, SampleTimeout, ScoringError
+from ..settings import Backend
+from ..toml_table import Table
 from .base import BackendClient, Call
 
 FLUSH_S = 0.02  # a helper sends its results at least this often, so a kill loses little work
@@ -66,8 +68,21 @@ def load_function(path: str) -> Callable[..., Any]:
 class FunctionBackend(BackendClient):
     """Scores a whole chunk in one call: the queue overhead is paid per chunk, not per sample."""
 
+    runs_locally = True
+    default_chunk_size = 16
+
+    @classmethod
+    def read_options(cls, b: Table) -> dict[str, Any]:
+        function = b.get(
+            "function", str, required=True, expected="an import path 'package.module:callable'"
+        )
+        if not re.fullmatch(r"[\w.]+:[\w.]+", function):
+            raise b.fail("function", "an import path 'package.module:callable'")
+        options = b.get("options", dict, {}, expected="a table of keyword arguments")
+        return {"function": function, "options": options}
+
     @property
-    def batch(self) -> int:
+    def samples_per_call(self) -> int:
         return max(1, self.config.chunk_size or 1)
 
     def call(self, samples: list[dict]) -> Call:

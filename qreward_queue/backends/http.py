@@ -28,10 +28,12 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from ..config import Backend
-from ..errors import PermanentError, RateLimited, TransientError
-from ..ratelimit_headers import RateLimitHeaders
+from ..errors import PermanentError, RateLimited, ScoringError, TransientError
+from ..ratelimit_headers import Feedback, RateLimitHeaders
 from ..redact import redact_url
+from ..settings import Backend
+from ..toml_table import Table, expand_env
+from .base import BackendClient, Call
 
 MAX_REPLY_BYTES = 8 << 20
 CONNECT_TIMEOUT_S = 5.0
@@ -186,6 +188,37 @@ def post_json(config: Backend, url: str, payload: dict) -> Reply:
     except ValueError:
         raise PermanentError("reply is not JSON", text, **facts) from None
     return Reply(resp.status, reply_headers, body)
+
+
+class HttpBackend(BackendClient):
+    """A kind whose calls are POSTs to `[backend] url`: a kept-alive connection per thread, and
+    replies that teach the limiter by their status and rate-limit headers."""
+
+    def __init__(self, config: Backend):
+        super().__init__(config)
+        self.endpoint = config.url or ""
+
+    @classmethod
+    def read_options(cls, table: Table) -> dict[str, Any]:
+        url = expand_env(table.get("url", str, required=True, expected="an http(s) URL"),
+                         table.where("url"))
+        if not url.startswith(("http://", "https://")):
+            raise table.fail("url", "an http(s) URL")
+        return {"url": url}
+
+    def connect(self) -> None:
+        """Open the calling thread's kept-alive connection ahead of its first call."""
+        connect(self.endpoint, self.config.timeout_s)
+
+    def feedback(self, result: Call | ScoringError) -> Feedback:
+        """A 2xx answered, a 429 refused for rate; `x-ratelimit-*` and `Retry-After` say the
+        limits; `usage.total_tokens` what the call used."""
+        return Feedback.from_http(
+            result.status_code, result.headers,
+            timed_out=isinstance(result, ScoringError) and result.timed_out,
+            max_pause_s=self.config.limits.max_pause_s,
+            tokens=result.tokens if isinstance(result, Call) else None,
+        )
 
 
 class _Unanswered(ConnectionError):

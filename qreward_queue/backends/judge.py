@@ -6,11 +6,15 @@ import re
 from typing import Any
 
 from ..errors import PermanentError
-from .base import BackendClient, Call, checked_score, usage_split, usage_tokens
-from .http import post_json
+from ..settings import DEFAULT_SCORE_PATTERN, DEFAULT_TEMPLATE, Backend
+from ..toml_table import Table
+from .base import Call, checked_score, read_score_range, usage_split, usage_tokens
+from .http import HttpBackend, post_json
+
+SCORE_MATCHES = ("unique", "first", "last")
 
 
-class JudgeBackend(BackendClient):
+class JudgeBackend(HttpBackend):
     """Fills the prompt template from the sample and parses the score out of the reply.
 
     An unparseable reply is an `error` outcome quoting the reply, never a silent 0; so is a
@@ -18,12 +22,32 @@ class JudgeBackend(BackendClient):
     when `score_match` is "unique").
     """
 
-    endpoint: str  # always over HTTP
-
-    def __init__(self, config):
+    def __init__(self, config: Backend):
         super().__init__(config)
         self.pattern = re.compile(config.score_pattern)
-        self.endpoint = config.url.rstrip("/") + "/chat/completions"
+        self.endpoint = self.endpoint.rstrip("/") + "/chat/completions"
+
+    @classmethod
+    def read_options(cls, b: Table) -> dict[str, Any]:
+        values = super().read_options(b)
+        values["model"] = b.get("model", str, required=True, expected="a model name")
+        values["prompt_template"] = b.get("prompt_template", str, DEFAULT_TEMPLATE)
+        values["system_prompt"] = b.get("system_prompt", str, None)
+        values["score_pattern"] = b.get("score_pattern", str, DEFAULT_SCORE_PATTERN)
+        values["max_tokens"] = b.integer("max_tokens", Backend.max_tokens)
+        try:
+            if re.compile(values["score_pattern"]).groups < 1:
+                raise b.fail("score_pattern", "a regex with one capture group for the score")
+        except re.error as exc:
+            raise b.fail("score_pattern", f"a valid regex ({exc})") from None
+        _check_template(b, values["prompt_template"])
+        values["score_match"] = b.get("score_match", str, "unique")
+        if values["score_match"] not in SCORE_MATCHES:
+            raise b.fail("score_match", f"one of {', '.join(SCORE_MATCHES)}")
+        # the default template asks for a score from 0 to 1
+        default_range = (0.0, 1.0) if values["prompt_template"] == DEFAULT_TEMPLATE else None
+        values["score_range"] = read_score_range(b, default_range)
+        return values
 
     def render(self, sample: dict) -> str:
         """The user message the judge sees for `sample`."""
@@ -89,6 +113,18 @@ class JudgeBackend(BackendClient):
             )
         text = found[-1] if policy == "last" else found[0]
         return checked_score(text, self.config.score_range, f"score {text!r}", content[:500])
+
+
+def _check_template(t: Table, template: str) -> None:
+    fields = {"prompt": "", "response": "", "reference": "", "data_source": "", "extra": {}}
+    try:
+        template.format(**fields)
+    except Exception as exc:  # str.format can raise almost anything on a bad template
+        raise t.fail(
+            "prompt_template",
+            "placeholders among {prompt} {response} {reference} "
+            f"{{data_source}} {{extra}} ({exc!r})",
+        ) from None
 
 
 def _number_or_text(text: str) -> float | str:

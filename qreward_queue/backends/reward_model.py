@@ -5,26 +5,27 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import PermanentError
-from .base import BackendClient, Call, checked_score, usage_split, usage_tokens
-from .http import post_json
+from ..settings import Backend
+from ..toml_table import Table
+from .base import Call, checked_score, read_score_range, usage_split, usage_tokens
+from .http import HttpBackend, post_json
 
 
-class RewardModelBackend(BackendClient):
+class RewardModelBackend(HttpBackend):
     """Up to `batch_size` samples per call; a reply of the wrong shape fails the whole call,
     a bad score (not a number, too large, outside `score_range`) fails only its own item."""
 
-    endpoint: str  # always over HTTP
-
-    def __init__(self, config):
-        super().__init__(config)
-        self.endpoint = config.url
+    @classmethod
+    def read_options(cls, b: Table) -> dict[str, Any]:
+        values = super().read_options(b)
+        values["model"] = b.get("model", str, None)
+        values["batch_size"] = b.integer("batch_size", Backend.batch_size)
+        values["score_range"] = read_score_range(b, None)
+        return values
 
     @property
-    def batch(self) -> int:
+    def samples_per_call(self) -> int:
         return self.config.batch_size
-
-    def estimate_usage(self, samples: list[dict]) -> tuple[float, float]:
-        return sum(len(s["prompt"]) + len(s["response"]) for s in samples) / 4, 0.0
 
     def call(self, samples: list[dict]) -> Call:
         payload: dict = {

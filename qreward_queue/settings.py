@@ -1,0 +1,237 @@
+"""What qrq.toml and workers/<backend>.toml say, as frozen values: the configuration model.
+
+`config.py` reads and checks the files into these; everything else only reads them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import UnknownRoute
+from .ratelimit_headers import DEFAULT_MAX_PAUSE_S
+from .redact import remember
+
+DEFAULT_TEMPLATE = (
+    "Rate the response to the prompt on a scale from 0 to 1.\n"
+    "Prompt: {prompt}\nResponse: {response}\nReference: {reference}\n"
+    "Answer with 'Score: <number>'."
+)
+# the exponent is part of the number, so "Score: 1e309" reads as 1e309 (an error), never as 1
+DEFAULT_SCORE_PATTERN = r"Score:\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)"
+PACKAGED_CONFIG = Path(__file__).resolve().parent / "defaults" / "qrq.toml"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the backend allows; the global limiter enforces these across all workers."""
+
+    rpm: float | None = None
+    tpm: float | None = None
+    max_concurrent: int | None = None
+    burst_s: float = 1.0
+    max_pause_s: float = DEFAULT_MAX_PAUSE_S  # the longest pause one backend reply can order
+
+
+def advised_calls(
+    limits: Limits, latency_s: float, workers: int = 1, want_per_s: float | None = None
+) -> int:
+    """Calls in flight per worker process (`[pool] calls`) for a backend: the pool-sizing rule
+    of the README and the examples.
+
+    Calls in flight for the whole backend = 3 x rate x latency (Little's law, tripled for the
+    spread of latencies and the worker's own time per task: 2x fell to 71-85% of the limit on
+    a loaded machine, 3x held 100%), rate = rpm/60 or, with no rpm, the rate you want
+    (`want_per_s`); at least 8, at most max_concurrent; with no rate at all, max_concurrent.
+    Split over `workers`.
+    """
+    rate = limits.rpm / 60 if limits.rpm else want_per_s
+    total = max(8, math.ceil(3 * rate * latency_s)) if rate else limits.max_concurrent
+    if total is None:
+        raise ValueError("a backend with no rpm and no max_concurrent needs want_per_s")
+    if limits.max_concurrent:
+        total = min(total, limits.max_concurrent)
+    return math.ceil(total / workers)
+
+
+# With no `calls` in the file, a worker process sizes its calls in flight itself (tasks.py):
+PROCESS_CALLS = 64  # where it starts, and its size with no limit known (an asyncio client's 64)
+MAX_PROCESS_CALLS = 256  # the most it grows to, under max_concurrent and rpm x latency
+BUSY_TASKS = 8  # chunk tasks at once per process beyond which `concurrency` only costs
+
+
+@dataclass(frozen=True)
+class Pool:
+    """How the Celery worker pool for one backend runs."""
+
+    type: str = "threads"
+    concurrency: int = 2  # chunk tasks at once per worker process
+    rate_limit: str | None = None
+    # backend calls in flight per worker process, shared by its tasks: with no `calls` in the
+    # file (`sized`), the most the pool may size itself to (see tasks.CallSizing)
+    calls: int = PROCESS_CALLS
+    sized: bool = True
+    # function backends: the helper process that runs the function (see backends/function.py)
+    memory_limit_mb: int | None = 2048
+    max_tasks_per_child: int = 1000
+    max_memory_per_child_mb: int | None = None
+
+
+@dataclass(frozen=True)
+class Retry:
+    """Retries of retryable errors (429, timeouts, 5xx) before failing over or giving up."""
+
+    attempts: int = 4
+    backoff_base_s: float = 0.5
+    backoff_cap_s: float = 10.0
+    jitter: bool = True
+    breaker_threshold: int = 5
+    breaker_cooldown_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class Price:
+    """What a backend charges per million tokens in and out (`[price]`); gives spend a cost."""
+
+    input_per_million: float = 0.0
+    output_per_million: float = 0.0
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The most a backend may spend (`[budget]`), shared by every worker through Redis: in
+    tokens (in + out) or cost (needs `[price]`), per UTC hour and/or in total; None: no cap."""
+
+    tokens_per_hour: float | None = None
+    tokens_total: float | None = None
+    cost_per_hour: float | None = None
+    cost_total: float | None = None
+
+    def limits(self) -> dict[str, float]:
+        """The caps that are set, by name."""
+        return {k: v for k, v in vars(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One endpoint or function: its own limits, its own queue `qrq.<name>`, its own pool."""
+
+    name: str
+    kind: str
+    url: str | None = None
+    model: str | None = None
+    api_key_env: str | None = None
+    timeout_s: float = 60.0
+    chunk_size: int | None = None  # samples per task; None: sized by the planner
+    prompt_template: str = DEFAULT_TEMPLATE
+    system_prompt: str | None = None
+    score_pattern: str = DEFAULT_SCORE_PATTERN
+    max_tokens: int = 16
+    score_range: tuple[float, float] | None = None  # a score outside it is an error
+    score_match: str = "unique"  # several scores in one reply: unique | first | last
+    batch_size: int = 16
+    function: str | None = None
+    # a kind's own settings (a function: its keyword arguments, fn(sample, **options))
+    options: dict[str, Any] = field(default_factory=dict, hash=False)
+    limits: Limits = field(default_factory=Limits)
+    pool: Pool = field(default_factory=Pool)
+    retry: Retry = field(default_factory=Retry)
+    price: Price | None = None
+    budget: Budget | None = None
+    source: str = "<memory>"
+
+    @property
+    def queue(self) -> str:
+        return f"qrq.{self.name}"
+
+    def api_key(self) -> str | None:
+        """Read the key from the environment at call time; it never enters a message, and
+        from now on this process redacts it wherever a backend's reply quotes it."""
+        key = os.environ.get(self.api_key_env) if self.api_key_env else None
+        remember(key)
+        return key
+
+    def missing_api_key(self) -> str | None:
+        """Why this process cannot call the backend (its key variable is unset), else None.
+
+        A backend-level problem, not a sample's: `qrq worker` refuses to start on it, and the
+        worker side treats it like an open circuit (the work fails over to a sibling).
+        """
+        if self.api_key_env and not os.environ.get(self.api_key_env):
+            return (
+                f"{self.source}: backend.api_key_env: environment variable {self.api_key_env} "
+                f"(the API key of backend {self.name!r}) is not set in this process"
+            )
+        return None
+
+
+@dataclass(frozen=True)
+class Route:
+    """A reward name a trainer uses: backends that produce the same score, with weights."""
+
+    name: str
+    backends: tuple[str, ...]
+    weights: tuple[float, ...]
+    cache: bool = False
+    cache_ttl_s: float = 86400.0
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything qrq.toml and the backend files say."""
+
+    redis_url: str | None
+    backends: dict[str, Backend]
+    routes: dict[str, Route]
+    default_route: str | None = None
+    deadline_s: float = 600.0
+    fallback_score: float = 0.0
+    max_sample_bytes: int = 1 << 20
+    result_expires_s: int = 6 * 3600
+    visibility_timeout_s: int = 900
+    lease_s: float = 15.0  # workers stop calling for a batch this long after its client died
+    source: str = "<memory>"
+    redis_service_name: str | None = None  # the Sentinel service (master name)
+    redis_password_env: str | None = None
+    sentinel_password_env: str | None = None
+
+    @property
+    def embedded(self) -> bool:
+        return self.redis_url is None
+
+    def route(self, name: str | None) -> Route:
+        """The route called `name` (a bare backend name is a one-backend route)."""
+        name = name or self.default_route
+        if name is None and self.source == "<memory>":
+            raise UnknownRoute(f"no route given: {config_not_found(_FROM_PYTHON)}")
+        if name is None:
+            raise UnknownRoute(f"no route given and {self.source} sets no [defaults] route")
+        if name in self.routes:
+            return self.routes[name]
+        if name in self.backends:
+            return Route(name=name, backends=(name,), weights=(1.0,))
+        if self.source == "<memory>" and not self.backends:
+            raise UnknownRoute(f"no route {name!r}: {config_not_found(_FROM_PYTHON)}")
+        known = ", ".join(sorted({*self.routes, *self.backends})) or "none"
+        raise UnknownRoute(f"unknown route or backend {name!r} (known: {known})")
+
+    def backend(self, name: str) -> Backend:
+        try:
+            return self.backends[name]
+        except KeyError:
+            raise UnknownRoute(f"unknown backend {name!r}") from None
+
+
+_FROM_PYTHON = "call qreward_queue.configure(FILE) or set QRQ_CONFIG=FILE"
+
+
+def config_not_found(how: str = "pass --config FILE or set QRQ_CONFIG=FILE") -> str:
+    """Where the default lookup looked, and `how` to point it at a file."""
+    return (
+        f"no qrq.toml found ($QRQ_CONFIG is unset and there is no {Path.cwd() / 'qrq.toml'}); "
+        f"{how} (an example ships with qrq: {PACKAGED_CONFIG})"
+    )
+
