@@ -124,9 +124,13 @@ class Pool:
 
 @dataclass(frozen=True)
 class Retry:
-    """Retries of retryable errors (429, timeouts, 5xx) before failing over or giving up."""
+    """Retries of retryable errors (429, timeouts, 5xx) before failing over or giving up.
+    429s the limiter turns into flow control (a shared pause, a concurrency cut) spend one
+    attempt per `rate_limited_per_attempt` in a row, so a hostile server still cannot hold a
+    sample for ever; any other 429 spends one."""
 
     attempts: int = 4
+    rate_limited_per_attempt: int = 10
     backoff_base_s: float = 0.5
     backoff_cap_s: float = 10.0
     jitter: bool = True
@@ -421,6 +425,8 @@ def _most_calls(limits: Limits) -> int:
 def _retry(t: _Table) -> Retry:
     retry = Retry(
         attempts=t.integer("attempts", Retry.attempts),
+        rate_limited_per_attempt=t.integer("rate_limited_per_attempt",
+                                           Retry.rate_limited_per_attempt),
         backoff_base_s=t.number("backoff_base_s", Retry.backoff_base_s, allow_zero=True),
         backoff_cap_s=t.number("backoff_cap_s", Retry.backoff_cap_s, allow_zero=True),
         jitter=t.get("jitter", bool, Retry.jitter),

@@ -5,6 +5,8 @@ score_chunk -> ChunkRunner: the chunk's calls run concurrently on the process's 
     round trip settles tokens, learns from the reply and releases the lease)
     429               -> the limiter pauses everyone for a usable Retry-After, else the call
                          backs off with jitter; tried again while its [retry] attempts last
+                         (flow control, a shared pause or a concurrency cut, spends one
+                         attempt per rate_limited_per_attempt 429s in a row)
     timeout, 5xx, ... -> left for `decide`
     4xx, bad verdict  -> an explicit `error` outcome at once (a batch call is split first)
 -> decide (pure): what becomes of what is left: wait out a long limiter wait, retry here after
@@ -41,7 +43,7 @@ from .errors import (
     ScoringError,
     TransientError,
 )
-from .limiter import Grant, Limiter
+from .limiter import Grant, Limiter, Reading
 from .routing import failover_target
 from .samples import Outcome
 from .spend import Booking, Ledger, Usage
@@ -305,7 +307,8 @@ class ChunkRunner:
 
     def _run_call(self, samples: list[dict], positions: list[int], grant: Grant | None) -> None:
         batch = [samples[i] for i in positions]
-        started, throttled = time.monotonic(), 0
+        policy = self.config.retry
+        started, spent, paced = time.monotonic(), 0, 0
         while True:
             try:
                 call = self._guarded_call(batch, grant)
@@ -313,11 +316,13 @@ class ChunkRunner:
                 self.busy_s = busy.wait_s
                 return
             except RateLimited as exc:  # again after its wait, while attempts and time remain
-                throttled += 1
                 grant = None
-                wait_s = self._throttled_wait(exc, self.attempt + throttled - 1)
+                paced += 1  # flow control: one attempt per rate_limited_per_attempt in a row
+                if not exc.flow_control or paced > policy.rate_limited_per_attempt:
+                    spent, paced = spent + 1, 0
+                wait_s = self._throttled_wait(exc, self.attempt + spent + paced - 1)
                 left_s = time_left_s(self.deadline)
-                if self.attempt + throttled < self.config.retry.attempts and (
+                if self.attempt + spent < policy.attempts and (
                         left_s is None or wait_s < left_s):
                     time.sleep(wait_s)
                     continue
@@ -337,7 +342,7 @@ class ChunkRunner:
                 result = call
             break
         latency_ms = round((time.monotonic() - started) * 1000, 1)
-        attempts = self.attempt + throttled
+        attempts = self.attempt + spent
         name = self.config.name
         if isinstance(result, ScoringError):
             for i in positions:
@@ -389,9 +394,11 @@ class ChunkRunner:
             self._spent(batch, None, booking, replied=200 <= (exc.status_code or 0) < 300)
             metrics.record_request(name, exc.status_code, time.monotonic() - started,
                                    "timeout" if exc.timed_out else "error")
-            paused = self._learn(grant, exc.status_code, exc.headers, exc.timed_out,
-                                 failed=isinstance(exc, TransientError))
-            if paused:  # the limiter holds everyone back: no wait of the caller's own
+            reading = self._learn(grant, exc.status_code, exc.headers, exc.timed_out,
+                                  failed=isinstance(exc, TransientError))
+            if isinstance(exc, RateLimited):
+                exc.flow_control = reading.flow_control
+            if reading.pause_s:  # the limiter holds everyone back: no wait of the caller's own
                 exc.retry_after_s = 0.0
             raise
         except BaseException:
@@ -444,16 +451,16 @@ class ChunkRunner:
         return backoff_s(self.config.retry, attempt)
 
     def _learn(self, grant: Grant | None, status_code, headers, timed_out: bool,
-               failed: bool) -> float:
-        """Tell the limiter and breaker how the call went; the pause it ordered (0: none)."""
-        paused = 0.0
+               failed: bool) -> Reading:
+        """Tell the limiter and breaker how the call went; what the limiter made of it."""
+        reading = Reading()
         if grant is not None:
-            paused = grant.finish(status_code, headers, timed_out)
+            reading = grant.finish(status_code, headers, timed_out)
         elif self.limiter is not None:
-            paused = self.limiter.feedback(status_code, headers, timed_out=timed_out)
+            reading = self.limiter.feedback(status_code, headers, timed_out=timed_out)
         if self.breaker is not None:  # a 429 counts as alive: flow control handles it
             self.breaker.failure() if failed else self.breaker.success()
-        return paused
+        return reading
 
 
 @dataclass(frozen=True)
