@@ -19,7 +19,7 @@ from celery.backends.redis import RedisBackend, SentinelBackend
 from celery.signals import task_received, worker_ready
 from kombu import Queue
 
-from . import keys, kombu_fix, liveness, redis_conn, tasks
+from . import keys, kombu_fix, liveness, redis_conn
 from .breaker import CircuitBreaker
 from .config import Backend, Config
 from .lease import BatchWatch
@@ -47,7 +47,6 @@ class QrqCelery(Celery):
         self.conf.task_queues = [
             Queue(b.queue, routing_key=b.queue) for b in config.backends.values()
         ]
-        tasks.register(self)
 
     @cached_property
     def store(self) -> redis.Redis:
@@ -221,12 +220,13 @@ def _start_heartbeat(sender, **_) -> None:
     if not isinstance(app, QrqCelery) or app.qrq_config.embedded:
         return
     queues = list(app.amqp.queues.consume_from or {})  # also tells clients who serves a queue
+    from .call_pool import pool_sizes  # worker side only: a trainer's import does without it
 
     def beat() -> None:
         while True:
             with contextlib.suppress(redis.RedisError):  # Redis restarting: beat again later
                 liveness.beat(app.store, sender.hostname, queues, HEARTBEAT_TTL_S,
-                              tasks.pool_sizes())
+                              pool_sizes())
             time.sleep(HEARTBEAT_S)
 
     threading.Thread(target=beat, daemon=True, name="qrq-heartbeat").start()
@@ -238,6 +238,9 @@ class EmbeddedWorker:
     def __init__(self, app: QrqCelery, concurrency: int):
         from celery.result import _set_task_join_will_block
 
+        from .tasks import register
+
+        register(app)  # the tasks exist where a worker runs them (a client only sends them)
         self.app = app
         app.set_default()  # pool threads look the app up through the process-wide default
         queues = [b.queue for b in app.qrq_config.backends.values()]

@@ -239,8 +239,10 @@ def worker(
     from celery.signals import after_setup_logger, after_setup_task_logger
 
     from .app import QrqCelery
+    from .call_pool import call_pool
+    from .message import TASK_NAME
     from .redact import install_log_filter
-    from .tasks import TASK_NAME, call_pool
+    from .tasks import register
 
     backend = load_backend(backend_file)  # its own file: every problem in it is an error
     broken: dict[str, str] = {}
@@ -296,6 +298,7 @@ def worker(
         logging_ready.connect(lambda logger, **_: install_log_filter(logger), weak=False)
     if backend.pool.type == "threads" and backend.kind != "function":
         call_pool(backend)  # its threads and connections exist before the first task
+    register(app)  # before the pool forks: its children inherit the task
     app.worker_main(argv)
 
 

@@ -99,7 +99,7 @@ def advised_calls(
     return math.ceil(total / workers)
 
 
-# With no `calls` in the file, a worker process sizes its calls in flight itself (tasks.py):
+# With no `calls` in the file, a worker process sizes its calls in flight itself (call_pool.py):
 PROCESS_CALLS = 64  # where it starts, and its size with no limit known (an asyncio client's 64)
 MAX_PROCESS_CALLS = 256  # the most it grows to, under max_concurrent and rpm x latency
 BUSY_TASKS = 8  # chunk tasks at once per process beyond which `concurrency` only costs
@@ -113,7 +113,7 @@ class Pool:
     concurrency: int = 2  # chunk tasks at once per worker process
     rate_limit: str | None = None
     # backend calls in flight per worker process, shared by its tasks: with no `calls` in the
-    # file (`sized`), the most the pool may size itself to (see tasks.CallSizing)
+    # file (`sized`), the most the pool may size itself to (see call_pool.CallSizing)
     calls: int = PROCESS_CALLS
     sized: bool = True
     # function backends: the helper process that runs the function (see backends/function.py)

@@ -111,7 +111,7 @@ def _count_outcomes(sender=None, result=None, **_) -> None:
     """A finished score_chunk's outcomes, counted in the process that ran it (pool child)."""
     if _metrics is None:
         return
-    from .tasks import TASK_NAME
+    from .message import TASK_NAME
 
     if sender is not None and sender.name == TASK_NAME and isinstance(result, list):
         config = sender.app.qrq_config

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from qreward_queue.config import Retry
-from qreward_queue.tasks import Next, decide
+from qreward_queue.retry import Next, RetryPolicy
 
 POLICY = Retry(attempts=3, backoff_base_s=0.5, backoff_cap_s=10, jitter=False)
 
 
 def choose(left=2, attempt=1, time_left=60.0, busy_s=None, siblings=False, circuit_open=False):
-    return decide(left, attempt, POLICY, time_left, busy_s, siblings, circuit_open)
+    return RetryPolicy(POLICY).decide(left, attempt, time_left, busy_s, siblings, circuit_open)
 
 
 def test_nothing_left_is_done_whatever_else_holds():
