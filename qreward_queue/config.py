@@ -126,8 +126,8 @@ class Pool:
 class Retry:
     """Retries of retryable errors (429, timeouts, 5xx) before failing over or giving up.
     429s the limiter turns into flow control (a shared pause, a concurrency cut) spend one
-    attempt per `rate_limited_per_attempt` in a row, so a hostile server still cannot hold a
-    sample for ever; any other 429 spends one."""
+    attempt per `rate_limited_per_attempt` in a row (0: each spends one), so a hostile server
+    still cannot hold a sample for ever; any other 429 spends one."""
 
     attempts: int = 4
     rate_limited_per_attempt: int = 10
@@ -426,7 +426,7 @@ def _retry(t: _Table) -> Retry:
     retry = Retry(
         attempts=t.integer("attempts", Retry.attempts),
         rate_limited_per_attempt=t.integer("rate_limited_per_attempt",
-                                           Retry.rate_limited_per_attempt),
+                                           Retry.rate_limited_per_attempt, minimum=0),
         backoff_base_s=t.number("backoff_base_s", Retry.backoff_base_s, allow_zero=True),
         backoff_cap_s=t.number("backoff_cap_s", Retry.backoff_cap_s, allow_zero=True),
         jitter=t.get("jitter", bool, Retry.jitter),
