@@ -45,9 +45,6 @@ class QrqCelery(Celery):
         self.conf.task_queues = [
             Queue(b.queue, routing_key=b.queue) for b in config.backends.values()
         ]
-        from . import tasks  # the worker's side: a trainer's import does not load it
-
-        tasks.register(self)
 
     @cached_property
     def store(self) -> redis.Redis:
@@ -188,7 +185,7 @@ def _start_heartbeat(sender, **_) -> None:
     app = sender.app
     if not isinstance(app, QrqCelery) or app.qrq_config.embedded:
         return
-    from .tasks import pool_sizes
+    from .call_pool import pool_sizes  # worker side only: a trainer's import does without it
 
     queues = list(app.amqp.queues.consume_from or {})  # also tells clients who serves a queue
 
@@ -207,6 +204,9 @@ class EmbeddedWorker:
     def __init__(self, app: QrqCelery, concurrency: int):
         from celery.result import _set_task_join_will_block
 
+        from .tasks import register
+
+        register(app)  # the tasks exist where a worker runs them (a client only sends them)
         self.app = app
         app.set_default()  # pool threads look the app up through the process-wide default
         queues = [b.queue for b in app.qrq_config.backends.values()]

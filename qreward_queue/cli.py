@@ -242,8 +242,10 @@ def worker(
 
     from .app import QrqCelery
     from .backends import make_backend
+    from .call_pool import call_pool
+    from .message import TASK_NAME
     from .redact import install_log_filter
-    from .tasks import TASK_NAME, call_pool
+    from .tasks import register
 
     backend = load_backend(backend_file)  # its own file: every problem in it is an error
     broken: dict[str, str] = {}
@@ -299,6 +301,7 @@ def worker(
         logging_ready.connect(lambda logger, **_: install_log_filter(logger), weak=False)
     if backend.pool.type == "threads" and not make_backend(backend).runs_locally:
         call_pool(backend)  # its threads and connections exist before the first task
+    register(app)  # before the pool forks: its children inherit the task
     app.worker_main(argv)
 
 

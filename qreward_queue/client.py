@@ -30,11 +30,11 @@ from .capacity import QueuedSamples, queue_depth, route_shares
 from .config import Route
 from .errors import Cancelled, DeadlineExceeded, RedisUnreachable, ScoringError
 from .liveness import NoWorkerWatch
+from .message import TASK_NAME, chunk_kwargs, summary
 from .priority import Priority
 from .routing import Chunk, plan
 from .runtime import get_app, redis_problem
 from .samples import Outcome, summarize, validate_samples
-from .tasks import TASK_NAME, summary
 
 POLL_INTERVAL_S = 0.02
 LIVENESS_CHECK_S = 2.0
@@ -261,9 +261,8 @@ class RewardBatch:
                     samples = [self.samples[i] for i in chunk.indices]
                     self.app.send_task(
                         TASK_NAME,
-                        kwargs={"backend": chunk.backend, "samples": samples, "route": route,
-                                "deadline": self.deadline, "batch": self.batch_id,
-                                "indices": list(chunk.indices)},
+                        kwargs=chunk_kwargs(chunk.backend, samples, route, self.deadline,
+                                            self.batch_id, list(chunk.indices)),
                         task_id=task_id,
                         producer=producer,
                         queue=config.backend(chunk.backend).queue,

@@ -100,6 +100,8 @@ def _most_calls(limits: Limits) -> int:
 def _retry(t: Table) -> Retry:
     retry = Retry(
         attempts=t.integer("attempts", Retry.attempts),
+        rate_limited_per_attempt=t.integer("rate_limited_per_attempt",
+                                           Retry.rate_limited_per_attempt, minimum=0),
         backoff_base_s=t.number("backoff_base_s", Retry.backoff_base_s, allow_zero=True),
         backoff_cap_s=t.number("backoff_cap_s", Retry.backoff_cap_s, allow_zero=True),
         jitter=t.get("jitter", bool, Retry.jitter),

@@ -86,7 +86,10 @@ class RetryableError(ScoringError):
 
 
 class RateLimited(RetryableError):
-    """The backend answered 429; `retry_after_s` is how long it asked us to wait."""
+    """The backend answered 429; `retry_after_s` is how long it asked us to wait, and
+    `flow_control` whether the limiter acted on it (see `limiter.Reading`)."""
+
+    flow_control = False
 
 
 class TransientError(RetryableError):

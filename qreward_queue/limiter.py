@@ -73,6 +73,18 @@ def _as_list(value: Any) -> list:
     return value if isinstance(value, list) else []
 
 
+@dataclass(frozen=True)
+class Reading:
+    """What the limiter made of one reply. `pause_s`: the pause it ordered for every caller
+    (0: none). `flow_control`: a 429 the limiter acted on (a shared pause, or a cut of the
+    adaptive concurrency for a congested backend); it sets the pace, so the refused call waits
+    its turn instead of spending one of its `[retry] attempts` (see
+    `[retry] rate_limited_per_attempt`)."""
+
+    pause_s: float = 0.0
+    flow_control: bool = False
+
+
 @dataclass
 class Grant:
     """A call the limiter let through: its lease is held until ``finish`` (or the ``with`` end)."""
@@ -94,17 +106,16 @@ class Grant:
         self._used_tokens = actual_tokens
 
     def finish(self, status_code: int | None = None, headers: Mapping[str, str] | None = None,
-               timed_out: bool = False) -> float:
-        """One round trip: reconcile tokens, learn from the HTTP reply, release the lease.
-        Returns the pause it ordered for everyone (0: none)."""
+               timed_out: bool = False) -> Reading:
+        """One round trip: reconcile tokens, learn from the HTTP reply, release the lease."""
         return self.learn(Feedback.from_http(status_code, headers, timed_out,
                                              self._limiter.max_pause_s))
 
-    def learn(self, feedback: Feedback) -> float:
+    def learn(self, feedback: Feedback) -> Reading:
         """`finish` with what a backend's kind read from its reply (`BackendClient.feedback`):
         the tokens it reports settle the call's booking."""
         if self.finished:
-            return 0.0
+            return Reading()
         self.finished = True
         used = self._used_tokens if feedback.tokens is None else feedback.tokens
         refund = 0.0 if used is None else self.tokens - used
@@ -219,11 +230,11 @@ class Limiter:
                 wake.clear()
 
     def feedback(self, status_code: int | None, headers: Mapping[str, str] | None = None,
-                 timed_out: bool = False) -> float:
+                 timed_out: bool = False) -> Reading:
         """Teach the limiter what the backend answered, outside a grant (see `Grant.finish`)."""
         return self.learn(Feedback.from_http(status_code, headers, timed_out, self.max_pause_s))
 
-    def learn(self, feedback: Feedback) -> float:
+    def learn(self, feedback: Feedback) -> Reading:
         """`feedback` with what a backend's kind read from its reply (see `Grant.learn`)."""
         return self._finish([], feedback, 0.0)
 
@@ -268,14 +279,14 @@ class Limiter:
                 return
             time.sleep(extra_ms / 1000)
 
-    def _finish(self, holders: list[str], feedback: Feedback, refund: float) -> float:
+    def _finish(self, holders: list[str], feedback: Feedback, refund: float) -> Reading:
         """A 429 of an exhausted rate pauses the backend for everyone for Retry-After (else the
         reset of the exhausted limit; without either, no one: each call backs off with
         jitter). A 429 while the headers say requests and tokens are left is congestion (a
         concurrency limit below the configured one): it cuts the adaptive concurrency like a
         timeout does, and pauses no one. A 429 that says neither cuts the concurrency and
-        pauses only for a usable Retry-After. Successes grow the concurrency. Returns the
-        pause ordered.
+        pauses only for a usable Retry-After. Successes grow the concurrency. Returns what it
+        made of the reply.
 
         Successes may wait up to ``finish_delay_s`` to be sent together (embedded mode, where
         every script costs interpreter time); anything else is sent at once, with them.
@@ -309,7 +320,7 @@ class Limiter:
         if not (event or call["told"] or pause_s):  # nothing to learn: just release
             if holders:
                 self._retry(self._redis.zrem, self._keys["leases"], *holders)
-            return 0.0
+            return Reading()
         with self._lock:
             self._pending.append(call)
             due = (event != "ok" or not self.finish_delay_s or len(self._pending) >= MAX_PENDING
@@ -318,7 +329,8 @@ class Limiter:
                 self._pending_since = time.monotonic()
         if due:
             self.flush(pause_s, "; ".join(h.bounded))
-        return pause_s
+        cut = event == "congested" and self.max_concurrent > 0
+        return Reading(pause_s, feedback.rate_limited and (pause_s > 0 or cut))
 
     def flush(self, pause_s: float = 0.0, bounded: str = "") -> None:
         """Send the finishes waiting in this process (releasing their leases) in one script."""

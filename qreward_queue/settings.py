@@ -57,7 +57,7 @@ def advised_calls(
     return math.ceil(total / workers)
 
 
-# With no `calls` in the file, a worker process sizes its calls in flight itself (tasks.py):
+# With no `calls` in the file, a worker process sizes its calls in flight itself (call_pool.py):
 PROCESS_CALLS = 64  # where it starts, and its size with no limit known (an asyncio client's 64)
 MAX_PROCESS_CALLS = 256  # the most it grows to, under max_concurrent and rpm x latency
 BUSY_TASKS = 8  # chunk tasks at once per process beyond which `concurrency` only costs
@@ -71,7 +71,7 @@ class Pool:
     concurrency: int = 2  # chunk tasks at once per worker process
     rate_limit: str | None = None
     # backend calls in flight per worker process, shared by its tasks: with no `calls` in the
-    # file (`sized`), the most the pool may size itself to (see tasks.CallSizing)
+    # file (`sized`), the most the pool may size itself to (see call_pool.CallSizing)
     calls: int = PROCESS_CALLS
     sized: bool = True
     # function backends: the helper process that runs the function (see backends/function.py)
@@ -82,9 +82,13 @@ class Pool:
 
 @dataclass(frozen=True)
 class Retry:
-    """Retries of retryable errors (429, timeouts, 5xx) before failing over or giving up."""
+    """Retries of retryable errors (429, timeouts, 5xx) before failing over or giving up.
+    429s the limiter turns into flow control (a shared pause, a concurrency cut) spend one
+    attempt per `rate_limited_per_attempt` in a row (0: each spends one), so a hostile server
+    still cannot hold a sample for ever; any other 429 spends one."""
 
     attempts: int = 4
+    rate_limited_per_attempt: int = 10
     backoff_base_s: float = 0.5
     backoff_cap_s: float = 10.0
     jitter: bool = True

@@ -15,11 +15,12 @@ import fakeredis
 import pytest
 from support import wait_for
 
-from qreward_queue import tasks
+from qreward_queue import call_path
 from qreward_queue.app import QrqCelery
 from qreward_queue.backends import Call
 from qreward_queue.breaker import CircuitBreaker
 from qreward_queue.capacity import route_shares
+from qreward_queue.chunk_runner import ChunkRunner
 from qreward_queue.config import Backend, Config, Limits, Pool, Retry, Route
 from qreward_queue.errors import RateLimited
 from qreward_queue.ratelimit_headers import Feedback
@@ -189,9 +190,9 @@ def test_probe_answered_429_does_not_shut_the_backend(store, monkeypatch):
     wait_out_cooldown(breaker)
     client = ScriptedClient(RateLimited("rate limited (429)", status_code=429), 0.5)
     config = Backend(name="judge-a", kind="function", function="m:f")
-    monkeypatch.setattr(tasks, "_client", lambda _config: client)
+    monkeypatch.setattr(call_path, "make_backend", lambda _config: client)
     # When a worker runs one sample through it
-    runner = tasks.ChunkRunner(config, None, breaker, attempt=1).run([{"prompt": "p",
+    runner = ChunkRunner(config, None, breaker, attempt=1).run([{"prompt": "p",
                                                                       "response": "r"}])
     # Then the 429 is waited out and the call made again (as for any 429), not refused
     assert client.calls == 2

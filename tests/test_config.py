@@ -331,6 +331,8 @@ def test_broken_backend_file_is_named_by_load_config(tmp_path):
         (JUDGE + '[pool]\nconcurrency = "8"\n', "pool.concurrency", "an integer"),
         (JUDGE + "[retry]\nattempts = 0\n", "retry.attempts", "an integer >= 1"),
         (JUDGE + "[retry]\njitter = 1\n", "retry.jitter", "bool"),
+        (JUDGE + "[retry]\nrate_limited_per_attempt = -1\n", "retry.rate_limited_per_attempt",
+         "an integer >= 0"),
         (JUDGE + "[retry]\nbackoff_base_s = -1\n", "retry.backoff_base_s", "a number >= 0"),
         (JUDGE + "[retry]\nbreaker_threshold = 0\n", "retry.breaker_threshold", "an integer >= 1"),
         (JUDGE + "[limit]\nrpm = 10\n", "limit", "unknown key"),

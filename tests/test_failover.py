@@ -63,11 +63,10 @@ def test_a_sentinel_failover_mid_batch_loses_no_reward(tmp_path, stack):
     cluster = SentinelCluster(tmp_path).start()
     stack.callback(cluster.stop)
     judge = stack.enter_context(spawn(MockJudgeSettings(latency_ms=20, latency_cv=0.2, rpm=RPM)))
-    backend = judge_backend(judge.url, rpm=RPM, concurrency=8)
-    # the limiter's buckets go with the old primary, so the first second after the failover may
-    # draw a few 429s, and a 429 spends one of a sample's [retry] attempts: give it room
-    backend["retry"]["attempts"] = 8
-    config_path = write_config(tmp_path, {"j": backend}, fallback_score=FALLBACK)
+    config_path = write_config(
+        tmp_path, {"j": judge_backend(judge.url, rpm=RPM, concurrency=8)},
+        fallback_score=FALLBACK,
+    )
     with config_path.open("a") as fh:
         fh.write(f'[redis]\nurl = "{cluster.url}"\nservice_name = "{SERVICE}"\n')
     app = qreward_queue.configure(qreward_queue.load_config(config_path))

@@ -16,7 +16,7 @@ import pytest
 import redis
 
 import qreward_queue.limiter as limiter_module
-from qreward_queue.limiter import Limiter, LimiterBusy, estimate_tokens
+from qreward_queue.limiter import Limiter, LimiterBusy, Reading, estimate_tokens
 from qreward_queue.ratelimit_headers import RateLimitHeaders, parse_duration, parse_retry_after
 
 
@@ -385,7 +385,7 @@ def test_congestion_429_cuts_concurrency_gently_near_the_last_cut_and_pauses_no_
     limiter = Limiter(fake, "b", rpm=6000, max_concurrent=64, aimd_cooldown_s=0)
     congested = {"retry-after-ms": "200", "x-ratelimit-remaining-requests": "90"}
     # a 429 with requests left: too many in flight, not an exhausted rate
-    assert limiter.feedback(429, congested) == 0.0
+    assert limiter.feedback(429, congested) == Reading(pause_s=0.0, flow_control=True)
     status = limiter.status()
     assert (status["adaptive_limit"], status["paused_for_s"], status["recent_429s"]) == (32, 0, 1)
     limiter.feedback(429, congested)  # far below the last cut (64): halves again
@@ -402,7 +402,7 @@ def test_congestion_429_cuts_concurrency_gently_near_the_last_cut_and_pauses_no_
     assert limiter.status()["adaptive_limit"] == 27
     # an exhausted rate still pauses everyone and leaves the concurrency alone
     paused = limiter.feedback(429, {"retry-after": "2", "x-ratelimit-remaining-requests": "0"})
-    assert paused == 2.0 and limiter.status()["adaptive_limit"] == 27
+    assert paused.pause_s == 2.0 and limiter.status()["adaptive_limit"] == 27
 
 
 def test_aimd_floor_and_lease_cap(fake: fakeredis.FakeRedis, sleeps: list[float]) -> None:
@@ -455,3 +455,17 @@ def test_raises_after_outage_wait() -> None:
     # deadline promise: a call gives up on an unreachable Redis after outage_wait_s
     assert 0.3 <= time.monotonic() - started < 1.0
 
+
+
+def test_only_429s_the_limiter_acts_on_are_flow_control(fake: fakeredis.FakeRedis) -> None:
+    # a usable Retry-After pauses everyone, a congested 429 cuts the adaptive concurrency: both
+    # are the limiter's pace; a bare 429 (nothing usable) and a success are not
+    limiter = Limiter(fake, "b", rpm=6000, max_concurrent=64)
+    assert limiter.feedback(429, {"retry-after": "1"}) == Reading(1.0, flow_control=True)
+    congested = {"x-ratelimit-remaining-requests": "90"}
+    assert limiter.feedback(429, congested) == Reading(0.0, flow_control=True)
+    assert limiter.feedback(429, {"retry-after": "soon-ish"}) == Reading(0.0, False)
+    assert limiter.feedback(200, None) == Reading()
+    # without max_concurrent no cut is made: a congested 429 then paces nothing
+    unbounded = Limiter(fake, "c", rpm=6000)
+    assert unbounded.feedback(429, congested) == Reading(0.0, False)
