@@ -438,7 +438,7 @@ def test_function_failure_of_one_sample_spares_the_others(rewards_module):
 
 
 def test_a_huge_int_from_a_reward_function_fails_only_its_sample():
-    from qreward_queue.backends.function import _score_one
+    from qreward_queue.backends.function_runner import _score_one
 
     error = _score_one(lambda s: 10**400, {}, {})
     assert isinstance(error, PermanentError) and str(error).endswith(", not a finite number")

@@ -20,7 +20,7 @@ from support import ROOT, Worker, free_port, judge_backend, wait_for, write_conf
 
 import qreward_queue
 from qreward_queue.app import QrqCelery
-from qreward_queue.backends.http import post_json
+from qreward_queue.backends.transport import post_json
 from qreward_queue.config import (
     PACKAGED_CONFIG,
     Backend,

@@ -128,9 +128,10 @@ def test_no_import_circle():
 # What only a worker (or an operator's command) needs; a trainer's import loads none of it.
 WORKER_ONLY = (
     "qreward_queue.tasks",             # the Celery task, its call pool and retries
-    "qreward_queue.backends",          # every backend kind and the HTTP transport
-    "qreward_queue.backends.http",
-    "qreward_queue.backends.function",  # the function backend's process pools
+    # (`qreward_queue.backends` and its kind modules are a trainer's too: the config loader
+    # asks each kind for its options, samples per call and identity; see backends/base.py)
+    "qreward_queue.backends.transport",        # the HTTP sockets and reply parser
+    "qreward_queue.backends.function_runner",  # the function backend's helper processes
     "qreward_queue.rewards",           # reward functions and their sandbox
     "qreward_queue.rewards.sandbox",
     "qreward_queue.metrics",           # the worker's Prometheus counters

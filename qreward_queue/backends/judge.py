@@ -9,7 +9,7 @@ from ..errors import PermanentError
 from ..settings import DEFAULT_SCORE_PATTERN, DEFAULT_TEMPLATE, Backend
 from ..toml_table import Table
 from .base import Call, checked_score, read_score_range, usage_split, usage_tokens
-from .http import HttpBackend, post_json
+from .http import HttpBackend
 
 SCORE_MATCHES = ("unique", "first", "last")
 
@@ -77,7 +77,7 @@ class JudgeBackend(HttpBackend):
             "max_tokens": self.config.max_tokens,
             "temperature": 0,
         }
-        reply = post_json(self.config, self.endpoint, payload)
+        reply = self.post(payload)
         facts: dict[str, Any] = {"status_code": reply.status_code, "headers": reply.headers}
         try:
             content = reply.body["choices"][0]["message"]["content"]
