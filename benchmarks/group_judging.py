@@ -44,7 +44,13 @@ import qreward_queue
 from qreward_queue.config import DEFAULT_TEMPLATE
 from qreward_queue.errors import PermanentError
 from qreward_queue.groups import DEFAULT_GROUP_TEMPLATE, parse_group_scores, render_group
-from qreward_queue.mock_judge import MockJudgeSettings, rm_verdict, spawn, split_group, verdict
+from qreward_queue.testing.mock_judge import (
+    MockJudgeSettings,
+    rm_verdict,
+    spawn,
+    split_group,
+    verdict,
+)
 
 BACKEND = "judge"
 CALLS = 32

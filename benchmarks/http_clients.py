@@ -30,7 +30,7 @@ from throughput import LATENCY_CV, LATENCY_MS, samples_for
 
 from qreward_queue.backends.transport import post_json
 from qreward_queue.config import Backend
-from qreward_queue.mock_judge import MockJudgeSettings, spawn
+from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn
 
 
 def cpu_s() -> float:

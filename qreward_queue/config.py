@@ -18,7 +18,7 @@ from typing import Any, overload
 from .backends import KINDS
 from .backends.judge import SCORE_MATCHES
 from .errors import ConfigError, UnknownRoute
-from .ratelimit_headers import DEFAULT_MAX_PAUSE_S
+from .flow.ratelimit_headers import DEFAULT_MAX_PAUSE_S
 from .settings import (
     BUSY_TASKS,
     DEFAULT_SCORE_PATTERN,

@@ -23,8 +23,8 @@ from qreward_queue.backends.judge import JudgeBackend
 from qreward_queue.backends.reward_model import RewardModelBackend
 from qreward_queue.config import Backend, Retry
 from qreward_queue.errors import PermanentError, RateLimited, ScoringError, TransientError
-from qreward_queue.mock_judge import MockJudge, MockJudgeSettings, rm_verdict, verdict
-from qreward_queue.tasks import ChunkRunner
+from qreward_queue.testing.mock_judge import MockJudge, MockJudgeSettings, rm_verdict, verdict
+from qreward_queue.worker.tasks import ChunkRunner
 
 # --- helpers --------------------------------------------------------------------------------
 

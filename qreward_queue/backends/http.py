@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ScoringError
-from ..ratelimit_headers import Feedback
+from ..flow.ratelimit_headers import Feedback
 from ..settings import Backend
 from ..toml_table import Table, expand_env
 from .base import BackendClient, Call

@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 import httptools
 
 from ..errors import PermanentError, RateLimited, TransientError
-from ..ratelimit_headers import RateLimitHeaders
+from ..flow.ratelimit_headers import RateLimitHeaders
 from ..redact import redact_url
 from ..settings import Backend
 

@@ -22,10 +22,10 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import aio
-from ..client import submit_batch
 from ..priority import Priority
 from ..samples import Outcome
+from . import aio
+from .client import submit_batch
 
 _Key = tuple[str | None, Priority, float | None]
 _Item = tuple[dict[str, Any], Future[Outcome]]

@@ -29,11 +29,11 @@ from typing import TYPE_CHECKING, Any
 
 from celery.signals import task_success
 
-from .errors import ConfigError
-from .extras import require
+from ..errors import ConfigError
+from ..extras import require
 
 if TYPE_CHECKING:
-    from .config import Config
+    from ..config import Config
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .backends import make_backend
-from .settings import Backend, Config, Route
+from ..backends import make_backend
+from ..settings import Backend, Config, Route
 
 
 @dataclass(frozen=True)
