@@ -127,16 +127,17 @@ def test_no_import_circle():
 
 # What only a worker (or an operator's command) needs; a trainer's import loads none of it.
 WORKER_ONLY = (
-    "qreward_queue.worker.tasks",             # the Celery task, its call pool and retries
+    "qreward_queue.worker",                    # the worker's side: the task, call pool, retries
+    "qreward_queue.worker.tasks",
     # (`qreward_queue.backends` and its kind modules are a trainer's too: the config loader
     # asks each kind for its options, samples per call and identity; see backends/base.py)
     "qreward_queue.backends.transport",        # the HTTP sockets and reply parser
     "qreward_queue.backends.function_runner",  # the function backend's helper processes
-    "qreward_queue.rewards",           # reward functions and their sandbox
+    "qreward_queue.rewards",                   # reward functions and their sandbox
     "qreward_queue.rewards.sandbox",
-    "qreward_queue.ops.metrics",           # the worker's Prometheus counters
-    "qreward_queue.ops.exporter",          # the Redis state exporter
-    "qreward_queue.testing.mock_judge",
+    "qreward_queue.ops.metrics",               # the worker's Prometheus counters
+    "qreward_queue.ops.exporter",              # the Redis state exporter
+    "qreward_queue.testing",                   # the mock judge
     "qreward_queue.cli",
     "prometheus_client",
     "httptools",
