@@ -297,7 +297,7 @@ def worker(
     if metrics_port:
         from .metrics import serve_worker
 
-        serve_worker(metrics_port, TASK_NAME)
+        serve_worker(metrics_port)
         click.echo(f"metrics on :{metrics_port}/metrics")
     click.echo(
         describe_mode(config) + f"; worker for backend {backend.name!r} on queue {backend.queue}"
