@@ -168,8 +168,18 @@ def score(input_file, output, route, priority, deadline_s, config_path) -> None:
                 interrupted = True
             outcomes = batch.outcomes()
             bar.update(len(batch) - bar.n)
+        # written before the embedded worker stops: its shutdown waits for a call in flight,
+        # and the outcomes are due at the deadline, not after that call
+        write_outcomes(output, outcomes, lines, unreadable)
     finally:
         shutdown()
+    summary, code = summarize(outcomes)
+    click.echo(summary, err=True)
+    sys.exit(EXIT_INTERRUPTED if interrupted else code)
+
+
+def write_outcomes(output, outcomes: list, lines: list[int], unreadable: dict[int, str]) -> None:
+    """One JSON line per outcome, in input order, naming the input line of each."""
     for index, outcome in enumerate(outcomes):
         if index in unreadable:
             outcome.error = unreadable[index]
@@ -177,9 +187,6 @@ def score(input_file, output, route, priority, deadline_s, config_path) -> None:
             outcome.error = f"line {lines[index]}: {outcome.error}"
         output.write(json.dumps({"index": index, "line": lines[index], **outcome.to_dict()}) + "\n")
     output.flush()
-    summary, code = summarize(outcomes)
-    click.echo(summary, err=True)
-    sys.exit(EXIT_INTERRUPTED if interrupted else code)
 
 
 def summarize(outcomes: list) -> tuple[str, int]:
@@ -290,7 +297,7 @@ def worker(
     if metrics_port:
         from .ops.metrics import serve_worker
 
-        serve_worker(metrics_port, TASK_NAME)
+        serve_worker(metrics_port)
         click.echo(f"metrics on :{metrics_port}/metrics")
     click.echo(
         describe_mode(config) + f"; worker for backend {backend.name!r} on queue {backend.queue}"
