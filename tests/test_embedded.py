@@ -361,16 +361,16 @@ def test_function_reward_errors_per_sample(setup, judge):
 
 
 def test_deadline_gives_timeout_with_the_fallback_and_returns_on_time(setup, judge):
-    config = judge_setup(setup, judge, timeout_s=1.0)
+    # the call outlives the judge's 3 s hang, so only the 2 s batch deadline can end the wait
+    config = judge_setup(setup, judge, timeout_s=10.0)
     good = samples_(5)
     batch_in = [*good[:2], {"prompt": "p", "response": "[[mock:hang]]", "id": "h"}, *good[2:]]
-    batch = qreward_queue.submit_batch(batch_in, route="grade", deadline_s=0.8)
+    batch = qreward_queue.submit_batch(batch_in, route="grade", deadline_s=2.0)
     wait_for(lambda: batch.completed == 5, 10, "the five good samples")
     assert not batch.done()  # the hanging one is still out
-    started = time.monotonic()
     outcomes = batch.outcomes()
-    # deadline promise: outcomes() returns by the batch deadline, not after the judge's 3 s hang
-    assert time.monotonic() - started < 1.5
+    # deadline promise: outcomes() returns by the batch deadline, not at the end of the hang
+    assert time.time() < batch.deadline + 0.8
     hung = outcomes[2]
     assert hung.status == "timeout" and hung.score == FALLBACK and hung.id == "h"
     assert "deadline" in hung.error
