@@ -25,14 +25,14 @@ from celery.states import READY_STATES
 
 from . import keys, lease, records, redis_conn, redis_wait, spend
 from .app import HEARTBEAT_S, REDIS_READ_TIMEOUT_S, QrqCelery
-from .cache import ScoreCache, content_key, record_cache, reward_identity
+from .cache import ScoreCache, record_cache, reward_identity, unit_keys
 from .capacity import QueuedSamples, queue_depth, route_shares
-from .config import Route
-from .errors import Cancelled, DeadlineExceeded, RedisUnreachable, ScoringError
+from .config import Config, Route
+from .errors import Cancelled, DeadlineExceeded, InvalidSamples, RedisUnreachable, ScoringError
 from .liveness import NoWorkerWatch
 from .message import TASK_NAME, chunk_kwargs, summary
 from .priority import Priority
-from .routing import Chunk, plan
+from .routing import Chunk, plan, units
 from .runtime import get_app, redis_problem
 from .samples import Outcome, summarize, validate_samples
 
@@ -82,10 +82,12 @@ class RewardBatch:
         cache: ScoreCache | None,
         priority: int,
         deadline: float,
+        cache_keys: dict[int, str] | None = None,
     ):
         self.app, self.route, self.samples = app, route, samples
         self.priority, self.deadline, self.cache = priority, deadline, cache
         self._copies = copies
+        self._cache_keys = cache_keys or {}  # a sample's key (cache.unit_keys), where cached
         self.batch_id = uuid.uuid4().hex
         self._outcomes: list[Outcome | None] = [None] * len(samples)
         self._listeners: list[Callable[[int, Outcome], None]] = []
@@ -351,7 +353,7 @@ class RewardBatch:
     def _place_fresh(self, i: int, outcome: Outcome, fresh: dict[str, Outcome]) -> None:
         """Place an outcome a worker sent; a new real score goes into `fresh` (to cache)."""
         if self._place(i, outcome) and self.cache and outcome.status == "ok":
-            fresh[content_key(self.samples[i])] = outcome
+            fresh[self._cache_keys[i]] = outcome
 
     def _done(self, until: float | None = None) -> None:
         """Every outcome is in: workers may drop any copy of the batch's work still around."""
@@ -491,19 +493,20 @@ def submit_batch(
     if on_invalid not in ("raise", "outcome"):
         raise ValueError(f"on_invalid must be 'raise' or 'outcome', got {on_invalid!r}")
     the_route = config.route(route)
-    problems = validate_samples(samples, config.max_sample_bytes, on_invalid == "raise")
+    problems = validate_samples(samples, config.max_sample_bytes, raise_errors=False)
+    whole = _units(config, the_route, samples, problems)
+    if problems and on_invalid == "raise":
+        raise InvalidSamples(problems)
     outcomes: list[Outcome | None] = [None] * len(samples)
     for i, why in problems.items():
         outcomes[i] = Outcome.failed(ScoringError(f"invalid sample {i}: {why}"))
     first: dict[str, int] = {}
     copies: dict[int, list[int]] = {}
-    for i in range(len(samples)):
-        if i not in problems:
-            key = content_key(samples[i])
-            if key in first:
-                copies.setdefault(first[key], []).append(i)
-            else:
-                first[key] = i
+    for i, key in sorted(unit_keys(samples, whole).items()):
+        if key in first:
+            copies.setdefault(first[key], []).append(i)
+        else:
+            first[key] = i
     cache = (
         ScoreCache(app.store, reward_identity(config, the_route), the_route.cache_ttl_s)
         if the_route.cache
@@ -511,22 +514,49 @@ def submit_batch(
     )
     deadline = time.time() + (deadline_s if deadline_s is not None else config.deadline_s)
     def queue() -> RewardBatch:
-        hits = cache.get_many(list(first)) if cache else {}
+        hits = _whole_hits(cache.get_many(list(first)), first, whole) if cache else {}
         if cache:
             record_cache(app.store, the_route.name, len(first), len(hits))
         for key, outcome in hits.items():
             outcomes[first[key]] = outcome
         todo = [i for key, i in first.items() if key not in hits]
         batch = RewardBatch(
-            app, the_route, samples, outcomes, copies, cache, level, deadline
+            app, the_route, samples, outcomes, copies, cache, level, deadline,
+            {i: key for key, i in first.items()},
         )
-        batch.send(plan(config, the_route, todo, route_shares(app, the_route, len(todo))))
+        wanted = set(todo)
+        batch.send(plan(config, the_route, todo, route_shares(app, the_route, len(todo)),
+                        [unit for unit in whole if unit[0] in wanted]))
         return batch
 
     try:  # every Redis outage at submit is one error type, whichever part met it
         return queue() if config.embedded else redis_wait.within(deadline - time.time(), queue)
     except (redis.RedisError, kombu.exceptions.OperationalError, OSError) as exc:
         raise RedisUnreachable(redis_problem(config, exc)) from None
+
+
+def _units(config: Config, route: Route, samples: Sequence[dict[str, Any]],
+           problems: dict[int, str]) -> list[list[int]]:
+    """The valid samples in the units the route scores in one call (see `routing.units`);
+    a sample that cannot join its group (another prompt under its `group`) is one more
+    problem, added to `problems`."""
+    valid = [i for i in range(len(samples)) if i not in problems]
+    try:
+        return units(config, route, samples, valid)
+    except InvalidSamples as exc:
+        problems.update(exc.problems)
+        return units(config, route, samples, [i for i in valid if i not in exc.problems])
+
+
+def _whole_hits(hits: dict[str, Outcome], first: dict[str, int], whole: list[list[int]]
+                ) -> dict[str, Outcome]:
+    """Cache hits of whole units only: a group partly cached is judged again as a whole."""
+    key_of = {i: key for key, i in first.items()}
+    for unit in whole:
+        if len(unit) > 1 and not all(key_of.get(i) in hits for i in unit if i in key_of):
+            for i in unit:
+                hits.pop(key_of.get(i, ""), None)
+    return hits
 
 
 def _id(sample: Any) -> Any:

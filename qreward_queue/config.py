@@ -207,6 +207,9 @@ def _routes(t: Table, backends: dict[str, Backend], broken: Collection[str] = ()
         names = [n for n in names if n not in broken]
         if not names:
             continue
+        modes = sorted({backends[n].mode for n in names})
+        if len(modes) > 1:  # a group score and a sample score are not the same reward
+            raise r.fail("backends", f'backends of one mode (these mix {" and ".join(modes)})')
         w = r.table("weights")
         weights = tuple(w.number(n, 1.0) for n in names)
         w.finish()

@@ -59,6 +59,17 @@ class BackendClient(ABC):
         """Make ready for the calling thread's first call (an HTTP kind opens its connection)."""
         return None
 
+    def units(self, samples: list[dict]) -> list[list[int]]:
+        """Positions of `samples` that must travel together: the chunker never cuts one
+        across tasks (a judge's group). By default every sample stands alone."""
+        return [[i] for i in range(len(samples))]
+
+    @property
+    def isolates_errors(self) -> bool:
+        """A failed call of several samples may be made again in halves, to find the one bad
+        sample (a reward model's batch); False where the samples are one question (a group)."""
+        return True
+
     def split(self, samples: list[dict]) -> list[list[int]]:
         """Positions of `samples` grouped into calls: `samples_per_call` at a time."""
         size = self.samples_per_call
