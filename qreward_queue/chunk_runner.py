@@ -132,7 +132,7 @@ class ChunkRunner:
             except (Cancelled, BudgetExceeded) as exc:
                 result = exc
             except PermanentError as exc:
-                if len(positions) > 1 and self.path.client.isolates_errors:
+                if len(positions) > 1 and not self.path.client.grouped:
                     # isolate the bad item: split, then each half on its own
                     half = len(positions) // 2
                     self._run_call(samples, positions[:half], None)

@@ -77,6 +77,11 @@ def chunk_size(backend: Backend, n: int) -> int:
     return max(1, per_call * max(1, size // per_call))
 
 
+def grouped(config: Config, route: Route) -> bool:
+    """The route's backends judge whole groups (the loader gives a route one mode)."""
+    return make_backend(config.backend(route.backends[0])).grouped
+
+
 def units(config: Config, route: Route, samples: Sequence[dict[str, Any]],
           indices: list[int]) -> list[list[int]]:
     """`indices` in the units the route's kind keeps in one call (a judge's groups; else one
@@ -98,16 +103,20 @@ def plan(
     per_backend = []
     for name, mine in spread(whole or [[i] for i in indices], route, shares).items():
         size = chunk_size(config.backend(name), sum(map(len, mine)))
-        per_backend.append([Chunk(name, part) for part in _pack(mine, size)])
+        per_backend.append([Chunk(name, part) for part in pack(mine, size)])
     chunks: list[Chunk] = []
     for row in range(max((len(c) for c in per_backend), default=0)):
         chunks.extend(c[row] for c in per_backend if row < len(c))
     return chunks
 
 
-def _pack(whole: list[list[int]], size: int) -> list[list[int]]:
-    """Consecutive units in chunks of at most `size` samples (a larger unit: a chunk alone)."""
-    chunks: list[list[int]] = []
+def pack(whole: Sequence[Sequence[_Item]], size: int) -> list[list[_Item]]:
+    """Consecutive units in chunks of at most `size` items (a larger unit: a chunk alone).
+
+    >>> pack([[0, 1], [2], [3, 4, 5], [6]], 3)
+    [[0, 1, 2], [3, 4, 5], [6]]
+    """
+    chunks: list[list[_Item]] = []
     for unit in whole:
         if chunks and len(chunks[-1]) + len(unit) <= size:
             chunks[-1].extend(unit)

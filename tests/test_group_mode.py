@@ -8,6 +8,11 @@ response is an `error` for every sample of its group (quoting the reply) and for
 
 from __future__ import annotations
 
+import asyncio
+import multiprocessing
+import random
+from types import SimpleNamespace
+
 import pytest
 from support import judge_backend, write_route_config
 
@@ -15,8 +20,11 @@ import qreward_queue
 from qreward_queue.backends import make_backend
 from qreward_queue.config import ConfigError, load_backend
 from qreward_queue.groups import DEFAULT_GROUP_TEMPLATE, render_group
+from qreward_queue.integrations import slime
+from qreward_queue.integrations.batcher import MicroBatcher
 from qreward_queue.mock_judge import MockJudgeSettings, rm_verdict, spawn, split_group
 from qreward_queue.plan import Workload, plan_route
+from qreward_queue.samples import Outcome
 
 GROUP_MAX = 4
 
@@ -152,3 +160,65 @@ def test_plan_counts_one_call_per_group(tmp_path) -> None:
     assert (p.samples_per_call, p.calls) == (4, 256)
     (p,) = plan_route(config, "gj", Workload(1024, group_size=8)).backends  # 8 -> 4 + 4
     assert (p.samples_per_call, p.calls) == (4, 256)
+
+
+def _child_scores_groups(conn, samples: list[dict], batcher_size: int | None) -> None:
+    """One trainer process: a coroutine per sample, in shuffled order, through a batcher
+    that never sends a group before it is complete (its wait is longer than the test)."""
+    batcher = MicroBatcher(max_items=64, max_wait_ms=20, group_wait_ms=600_000,
+                           group_size=batcher_size)
+    order = list(range(len(samples)))
+    random.Random(len(samples)).shuffle(order)
+
+    async def main() -> list[Outcome]:
+        tasks = {i: asyncio.create_task(batcher.score(samples[i], "gj")) for i in order}
+        return [await tasks[i] for i in range(len(samples))]
+
+    conn.send([(o.status, o.score) for o in asyncio.run(main())])
+
+
+def test_the_micro_batcher_completes_groups_from_many_processes_and_coroutines(worker, judge
+                                                                               ) -> None:
+    processes, per_process, size = 4, 64, 8  # 4 x 64 coroutines, groups of 8
+    ctx = multiprocessing.get_context("fork")
+    children = []
+    everything: list[dict] = []
+    for p in range(processes):
+        samples = grpo(per_process // size, size, start=100 * p)
+        if p % 2:  # the size said by the sample, else by the batcher (QRQ_BATCH_GROUP_SIZE)
+            samples = [{**s, "group_size": size} for s in samples]
+        receiver, sender = ctx.Pipe(duplex=False)
+        child = ctx.Process(target=_child_scores_groups,
+                            args=(sender, samples, None if p % 2 else size))
+        child.start()
+        children.append((child, receiver, samples))
+        everything += samples
+    for child, receiver, samples in children:
+        assert receiver.poll(120), "a trainer process got no outcomes"
+        expected = want(worker.qrq_config, samples)
+        assert receiver.recv() == [("ok", score) for score in expected]
+        child.join(10)
+    # every group was judged whole: as many calls as the kind makes of whole groups
+    stats = judge.stats()
+    client = make_backend(worker.qrq_config.backend("gj"))
+    assert stats["accepted"] == len(client.split(everything)) == processes * per_process // 4
+    assert stats["items"] == processes * per_process
+
+
+def test_a_group_of_unknown_size_goes_after_the_group_wait_and_slime_lists_are_groups(
+        worker, judge) -> None:
+    batcher = MicroBatcher(max_items=64, max_wait_ms=5, group_wait_ms=300)
+    samples = grpo(1, 3)
+
+    async def main() -> list[Outcome]:
+        return list(await asyncio.gather(*(batcher.score(s, "gj") for s in samples)))
+
+    outcomes = asyncio.run(main())
+    assert [o.score for o in outcomes] == want(worker.qrq_config, samples)
+    assert judge.stats()["accepted"] == 1  # the three together, once the wait was over
+    slime_samples = [SimpleNamespace(prompt="Problem 7: 7 + 7?", response=f"r{k}", label=None,
+                                     metadata=None, remove_sample=False) for k in range(3)]
+    scores = asyncio.run(slime.rm(SimpleNamespace(qrq_route="gj"), slime_samples))
+    as_sent = [{"prompt": s.prompt, "response": s.response} for s in slime_samples]
+    assert scores == want(worker.qrq_config, as_sent)
+    assert judge.stats()["accepted"] == 2  # the list at once: one group, no wait

@@ -65,10 +65,11 @@ class BackendClient(ABC):
         return [[i] for i in range(len(samples))]
 
     @property
-    def isolates_errors(self) -> bool:
-        """A failed call of several samples may be made again in halves, to find the one bad
-        sample (a reward model's batch); False where the samples are one question (a group)."""
-        return True
+    def grouped(self) -> bool:
+        """Its calls judge a group of samples together (`units`), one question: a failed call
+        is never made again in halves to find a bad sample (as a reward model's batch is),
+        and a trainer's per-sample calls are held until their group is complete."""
+        return False
 
     def split(self, samples: list[dict]) -> list[list[int]]:
         """Positions of `samples` grouped into calls: `samples_per_call` at a time."""

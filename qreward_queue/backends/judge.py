@@ -70,10 +70,6 @@ class JudgeBackend(HttpBackend):
             return groups.plan_groups(samples, self.config.group_max)
         return super().split(samples)
 
-    @property
-    def isolates_errors(self) -> bool:
-        return not self.grouped
-
     def identity(self) -> list[Any]:
         c = self.config
         extra = [c.mode, c.group_template, c.group_max, c.group_pattern] if self.grouped else []
