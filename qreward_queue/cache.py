@@ -52,6 +52,8 @@ def reward_identity(config: Config, route: Route) -> str:
     """Changes whenever a backend of the route would score differently: what its kind says
     decides its scores (`BackendClient.identity`: model, template...)."""
     parts = [route.name]
+    if route.votes:  # an ensemble's score is its aggregate: every setting of it counts
+        parts.append(json.dumps([route.votes, route.aggregate, route.quorum, route.temperature]))
     for name in route.backends:
         parts.append(json.dumps(make_backend(config.backend(name)).identity()))
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]

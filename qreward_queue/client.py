@@ -28,11 +28,12 @@ from .app import HEARTBEAT_S, REDIS_READ_TIMEOUT_S, QrqCelery
 from .cache import ScoreCache, record_cache, reward_identity, unit_keys
 from .capacity import QueuedSamples, queue_depth, route_shares
 from .config import Config, Route
+from .ensemble import Ballot
 from .errors import Cancelled, DeadlineExceeded, InvalidSamples, RedisUnreachable, ScoringError
 from .liveness import NoWorkerWatch
 from .message import TASK_NAME, chunk_kwargs, summary
 from .priority import Priority
-from .routing import Chunk, plan, units
+from .routing import Chunk, plan, plan_dealt, units
 from .runtime import get_app, redis_problem
 from .samples import Outcome, summarize, validate_samples
 
@@ -88,6 +89,8 @@ class RewardBatch:
         self.priority, self.deadline, self.cache = priority, deadline, cache
         self._copies = copies
         self._cache_keys = cache_keys or {}  # a sample's key (cache.unit_keys), where cached
+        self._ballot: Ballot | None = None  # an ensemble route's votes (see `vote`)
+        self._work: Sequence[dict[str, Any]] = samples  # what the chunks' indices point at
         self.batch_id = uuid.uuid4().hex
         self._outcomes: list[Outcome | None] = [None] * len(samples)
         self._listeners: list[Callable[[int, Outcome], None]] = []
@@ -208,9 +211,9 @@ class RewardBatch:
         for chunk in self._pending.values():
             for i in chunk.indices:
                 if i in recorded:
-                    self._place(i, Outcome.from_dict(recorded[i]))
+                    self._arrive(i, Outcome.from_dict(recorded[i]))
                 else:
-                    cancelled += self._place(i, Outcome.failed(why))
+                    cancelled += self._arrive(i, Outcome.failed(why))
         self._pending.clear()
         self._finished = time.monotonic()
         return cancelled
@@ -242,13 +245,19 @@ class RewardBatch:
 
     # -- sending -------------------------------------------------------------------------------
 
+    def vote(self, todo: list[int]) -> list[Chunk]:
+        """An ensemble route: the chunks of `todo`'s vote-samples, each on the backend that
+        casts it (see ensemble.Ballot); their outcomes are aggregated as they come in."""
+        self._ballot = Ballot(self.route, todo, len(self.samples))
+        self._work = [*self.samples, *self._ballot.fan_out(self.samples)]
+        return plan_dealt(self.app.qrq_config, self._ballot.dealt())
+
     def send(self, chunks: list[Chunk]) -> None:
         """Publish one score_chunk task per chunk, all in one batch of one producer, and
         remember which indices each answers."""
         if not chunks:
             return
         config = self.app.qrq_config
-        route = list(self.route.backends)
         messages = {uuid.uuid4().hex: chunk for chunk in chunks}
         self._pending.update(messages)  # unsent, they are found lost and sent again
         if not config.embedded and not self._sentinel:  # the first send: the lease begins
@@ -260,7 +269,9 @@ class RewardBatch:
             # kombu's publish batch sends every message in one pipelined round trip on Redis
             with self.app.producer_or_acquire() as producer, producer.batch():
                 for task_id, chunk in messages.items():
-                    samples = [self.samples[i] for i in chunk.indices]
+                    samples = [self._work[i] for i in chunk.indices]
+                    # a vote stays with its judge: no sibling to fail over to
+                    route = [chunk.backend] if self._ballot else list(self.route.backends)
                     self.app.send_task(
                         TASK_NAME,
                         kwargs=chunk_kwargs(chunk.backend, samples, route, self.deadline,
@@ -334,14 +345,14 @@ class RewardBatch:
         self._log_read += len(logged)
         fresh: dict[str, Outcome] = {}
         for i, data in logged:
-            self._place_fresh(i, Outcome.from_dict(data), fresh)
+            self._arrive(i, Outcome.from_dict(data), fresh)
         collected = [t for t, meta in metas.items()
                      if meta["status"] in READY_STATES and t in self._pending]
         for task_id in collected:
             chunk = self._pending.pop(task_id)
             for i, outcome in zip(chunk.indices, _chunk_outcomes(chunk, metas[task_id]),
                                   strict=True):
-                self._place_fresh(i, outcome, fresh)
+                self._arrive(i, outcome, fresh)
         cache = self.cache
         if cache and fresh:  # best effort: a Redis hiccup costs a cache entry, not a score
             with contextlib.suppress(redis.RedisError, OSError):
@@ -350,10 +361,20 @@ class RewardBatch:
             with contextlib.suppress(redis.RedisError, OSError):
                 self._within(until, lambda: self.app.backend.forget_many(collected))
 
-    def _place_fresh(self, i: int, outcome: Outcome, fresh: dict[str, Outcome]) -> None:
-        """Place an outcome a worker sent; a new real score goes into `fresh` (to cache)."""
-        if self._place(i, outcome) and self.cache and outcome.status == "ok":
+    def _arrive(self, i: int, outcome: Outcome, fresh: dict[str, Outcome] | None = None
+                ) -> bool:
+        """An outcome for position `i` of the work (a sample, or an ensemble's vote, which
+        places its sample once all its votes are in); a new real score goes into `fresh` (to
+        cache). True if a sample's outcome was placed."""
+        if i >= len(self.samples) and self._ballot is not None:
+            counted = self._ballot.cast(i, outcome)
+            if counted is None:
+                return False
+            i, outcome = counted
+        placed = self._place(i, outcome)
+        if placed and fresh is not None and self.cache and outcome.status == "ok":
             fresh[self._cache_keys[i]] = outcome
+        return placed
 
     def _done(self, until: float | None = None) -> None:
         """Every outcome is in: workers may drop any copy of the batch's work still around."""
@@ -433,7 +454,7 @@ class RewardBatch:
             if chunk.backend in self._no_worker.warned:  # so the caller's summary says why
                 why += f": {self._no_worker.cause(chunk.backend)}"
             for i in chunk.indices:
-                self._place(i, Outcome.failed(DeadlineExceeded(why)))  # where none came yet
+                self._arrive(i, Outcome.failed(DeadlineExceeded(why)))  # where none came yet
         self._pending.clear()
         self._finished = time.monotonic()
         lease.release(self.batch_id)  # no Redis write: it may be what made us late
@@ -525,7 +546,8 @@ def submit_batch(
             {i: key for key, i in first.items()},
         )
         wanted = set(todo)
-        batch.send(plan(config, the_route, todo, route_shares(app, the_route, len(todo)),
+        batch.send(batch.vote(todo) if the_route.votes else
+                   plan(config, the_route, todo, route_shares(app, the_route, len(todo)),
                         [unit for unit in whole if unit[0] in wanted]))
         return batch
 

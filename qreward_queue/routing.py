@@ -100,8 +100,13 @@ def plan(
 ) -> list[Chunk]:
     """Chunks of each backend's chunk size, interleaved across backends. `whole`: `indices`
     in units (see `units`) that go to one backend, in one chunk, each."""
+    return plan_dealt(config, spread(whole or [[i] for i in indices], route, shares))
+
+
+def plan_dealt(config: Config, dealt: dict[str, list[list[int]]]) -> list[Chunk]:
+    """Chunks of the units dealt to each backend, of its chunk size, interleaved."""
     per_backend = []
-    for name, mine in spread(whole or [[i] for i in indices], route, shares).items():
+    for name, mine in dealt.items():
         size = chunk_size(config.backend(name), sum(map(len, mine)))
         per_backend.append([Chunk(name, part) for part in pack(mine, size)])
     chunks: list[Chunk] = []

@@ -186,6 +186,12 @@ class Route:
     weights: tuple[float, ...]
     cache: bool = False
     cache_ttl_s: float = 86400.0
+    # an ensemble (ensemble.py): `votes` scores per sample, vote j on backends[j % len], each
+    # a call under its own backend's limits; aggregated by `aggregate` over at least `quorum`
+    votes: int | None = None
+    aggregate: str = "mean"
+    quorum: int = 1
+    temperature: float = 1.0  # of a judge asked again (more votes than backends)
 
 
 @dataclass(frozen=True)

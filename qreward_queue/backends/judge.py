@@ -115,6 +115,9 @@ class JudgeBackend(HttpBackend):
             "max_tokens": self.config.max_tokens * len(samples),
             "temperature": 0,
         }
+        vote = samples[0].get("vote") if len(samples) == 1 else None
+        if vote and "temperature" in vote:  # an ensemble's judge asked again: another draw
+            payload.update(temperature=vote["temperature"], seed=vote["index"])
         reply = post_json(self.config, self.endpoint, payload)
         facts: dict[str, Any] = {"status_code": reply.status_code, "headers": reply.headers}
         try:
