@@ -222,3 +222,27 @@ def test_a_group_of_unknown_size_goes_after_the_group_wait_and_slime_lists_are_g
     as_sent = [{"prompt": s.prompt, "response": s.response} for s in slime_samples]
     assert scores == want(worker.qrq_config, as_sent)
     assert judge.stats()["accepted"] == 2  # the list at once: one group, no wait
+
+
+@pytest.mark.slow
+def test_groups_stay_whole_through_a_killed_worker(tmp_path, redis_url, stack) -> None:
+    from support import Worker, wait_for
+    from test_worker_loss import in_flight_task_ids
+
+    judge = stack.enter_context(spawn(MockJudgeSettings(latency_ms=200, latency_cv=0.3)))
+    tables = judge_backend(judge.url, mode="group", group_max=GROUP_MAX, concurrency=4,
+                           chunk_size=8)  # two groups a task: many tasks, some in flight
+    path = write_route_config(tmp_path, {"gj": tables}, redis_url, visibility_timeout_s=10)
+    app = qreward_queue.configure(qreward_queue.load_config(path))
+    samples = grpo(60, GROUP_MAX)
+    doomed = stack.enter_context(Worker(path, "gj", name="g1@%h"))
+    stack.enter_context(Worker(path, "gj", name="g2@%h"))
+    batch = qreward_queue.submit_batch(samples, route="gj", app=app, deadline_s=120)
+    wait_for(lambda: batch.completed >= len(samples) // 3, timeout_s=60, what="a third done")
+    doomed.kill()
+    assert in_flight_task_ids(doomed.log.read_text()), "no task in flight: the test proves nothing"
+    outcomes = batch.outcomes()
+    assert [(o.status, o.score) for o in outcomes] == [("ok", s) for s in want(app.qrq_config,
+                                                                               samples)]
+    stats = judge.stats()  # every call the judge answered held one whole group
+    assert stats["items"] == GROUP_MAX * stats["accepted"] >= len(samples)
