@@ -152,9 +152,12 @@ def plan_route(config: Config, route_name: str | None, work: Workload,
             rates["CPU"] = r
     capacity = [w * r * samples_per_call(b, work)
                 for b, w, r in zip(members, route.weights, speed, strict=True)]
+    # an ensemble sends each sample to its judges (vote j to backend j mod n), not a share
+    shares = [work.n * sum(route.backends[j % len(members)] == b.name for j in range(route.votes))
+              for b in members] if route.votes else \
+        [round(work.n * cap / sum(capacity)) for cap in capacity]
     plans = []
-    for b, (rates, tokens), cap in zip(members, rated, capacity, strict=True):
-        share = round(work.n * cap / sum(capacity))
+    for b, (rates, tokens), share in zip(members, rated, shares, strict=True):
         per_call = samples_per_call(b, work)
         calls = math.ceil(share / per_call)
         binding = min(rates, key=rates.__getitem__)

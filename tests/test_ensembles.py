@@ -110,3 +110,17 @@ def test_ensemble_keys_are_checked_with_one_line_naming_file_and_key(tmp_path) -
             load_config(path)
         message = str(caught.value)
         assert "qrq.toml" in message and key in message and "\n" not in message, message
+
+
+def test_plan_counts_every_vote_on_its_judge(tmp_path) -> None:
+    from qreward_queue.plan import Workload, plan_route
+
+    backends = {name: judge_backend("http://127.0.0.1:1") for name in ("ja", "jb")}
+    path = write_route_config(tmp_path, backends, routes={
+        "pair": {"backends": ["ja", "jb"], "votes": 2},
+        "thrice": {"backends": ["ja"], "votes": 3},
+    })
+    config = load_config(path)
+    assert [(p.backend, p.calls) for p in plan_route(config, "pair", Workload(100)).backends] \
+        == [("ja", 100), ("jb", 100)]
+    assert [p.calls for p in plan_route(config, "thrice", Workload(100)).backends] == [300]

@@ -246,3 +246,25 @@ def test_groups_stay_whole_through_a_killed_worker(tmp_path, redis_url, stack) -
                                                                                samples)]
     stats = judge.stats()  # every call the judge answered held one whole group
     assert stats["items"] == GROUP_MAX * stats["accepted"] >= len(samples)
+
+
+def test_groups_fail_over_whole(tmp_path, judge, redis_url, stack) -> None:
+    from support import free_port, start_workers, tasks_received
+
+    down = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    tables = {name: judge_backend(url, mode="group", group_max=GROUP_MAX, chunk_size=8)
+              for name, url in (("gj", judge.url), ("gdown", down))}
+    tables["gdown"]["retry"] = {"attempts": 1, "backoff_base_s": 0.05}
+    path = write_route_config(tmp_path, tables, redis_url,
+                              routes={"pair": {"backends": ["gdown", "gj"]}})
+    workers = start_workers(path, [("gj", "gj"), ("gdown", "gdown")])
+    for worker in workers:
+        stack.enter_context(worker)
+    app = qreward_queue.configure(qreward_queue.load_config(path))
+    samples = grpo(16, GROUP_MAX)
+    outcomes = qreward_queue.submit_batch(samples, route="pair", app=app).outcomes()
+    assert tasks_received(workers[1]) > 0, "nothing went to the down judge: no failover"
+    assert [(o.status, o.score, o.backend) for o in outcomes] == [
+        ("ok", s, "gj") for s in want(app.qrq_config, samples)]
+    stats = judge.stats()  # the down judge's chunks came over whole: one call per group
+    assert stats["accepted"] == 16 and stats["items"] == len(samples)

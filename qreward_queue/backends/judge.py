@@ -48,8 +48,8 @@ class JudgeBackend(HttpBackend):
         values["score_match"] = b.get("score_match", str, "unique")
         if values["score_match"] not in SCORE_MATCHES:
             raise b.fail("score_match", f"one of {', '.join(SCORE_MATCHES)}")
-        # the default template asks for a score from 0 to 1
         values.update(_group_options(b))
+        # the default templates ask for scores from 0 to 1
         template = values.get("group_template") or values["prompt_template"]
         default = groups.DEFAULT_GROUP_TEMPLATE if "group_template" in values else DEFAULT_TEMPLATE
         default_range = (0.0, 1.0) if template == default else None
