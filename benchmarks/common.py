@@ -3,7 +3,7 @@ per-run figures, the table and the JSON lines.
 
 Every benchmark talks to the real Redis at $QRQ_BENCH_REDIS_URL (default 127.0.0.1:6379,
 database 9; routes.py: 10), flushed at the start of each scenario, and to mock judges run as
-subprocesses (`qreward_queue.mock_judge.spawn`).
+subprocesses (`qreward_queue.testing.mock_judge.spawn`).
 """
 
 from __future__ import annotations

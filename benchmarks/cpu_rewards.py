@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import QrqWorker, flush_redis, percentile, process_tree_cpu_s, write_config
 
 import qreward_queue
-from qreward_queue.backends.function import load_function
+from qreward_queue.backends.function_runner import load_function
 
 CORES = os.cpu_count() or 2
 REWARDS = {

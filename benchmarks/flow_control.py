@@ -57,7 +57,7 @@ from common import (
 import qreward_queue
 from qreward_queue.config import Limits, advised_calls
 from qreward_queue.demo import expected_scores, grpo_batch
-from qreward_queue.mock_judge import MockJudgeSettings, spawn
+from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn
 
 SERVER_RPM = 3000
 SERVER_CONCURRENT = 64

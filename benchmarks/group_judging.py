@@ -37,7 +37,13 @@ import qreward_queue
 from qreward_queue.backends import make_backend
 from qreward_queue.config import DEFAULT_TEMPLATE
 from qreward_queue.groups import DEFAULT_GROUP_TEMPLATE, render_group
-from qreward_queue.mock_judge import MockJudgeSettings, rm_verdict, spawn, split_group, verdict
+from qreward_queue.testing.mock_judge import (
+    MockJudgeSettings,
+    rm_verdict,
+    spawn,
+    split_group,
+    verdict,
+)
 
 BACKEND = "judge"
 CALLS = 32

@@ -8,7 +8,7 @@ process's CPU per call (user + system), with the ratio to the asyncio + aiohttp 
 
   aiohttp          asyncio + aiohttp, Semaphore(64), one event loop (baselines.async_semaphore)
   urllib3          `--threads` threads sharing one urllib3 PoolManager (qrq's client until now)
-  qrq post_json    `--threads` threads through qreward_queue.backends.http.post_json
+  qrq post_json    `--threads` threads through qreward_queue.backends.transport.post_json
                    (http.client, one keep-alive connection per thread)
 """
 
@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baselines
 from throughput import LATENCY_CV, LATENCY_MS, samples_for
 
-from qreward_queue.backends.http import post_json
+from qreward_queue.backends.transport import post_json
 from qreward_queue.config import Backend
-from qreward_queue.mock_judge import MockJudgeSettings, spawn
+from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn
 
 
 def cpu_s() -> float:

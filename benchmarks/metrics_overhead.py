@@ -32,7 +32,7 @@ from common import REDIS_URL, QrqWorker, flush_redis, judge_config, write_config
 from support import free_port
 
 import qreward_queue
-from qreward_queue.mock_judge import MockJudgeSettings, spawn
+from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn
 
 BACKEND = "judge"
 

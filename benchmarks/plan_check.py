@@ -40,8 +40,8 @@ from common import REDIS_URL, flush_redis, judge_config, start_qrq_workers, writ
 import qreward_queue
 from qreward_queue.config import PACKAGED_CONFIG
 from qreward_queue.demo import DEMO_LATENCY_MS, grpo_batch
-from qreward_queue.mock_judge import MockJudgeSettings, spawn
-from qreward_queue.plan import Workload, plan_route
+from qreward_queue.ops.plan import Workload, plan_route
+from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn
 
 LATENCY_MS = 200.0
 TARGET_ERROR = 0.15

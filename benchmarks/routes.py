@@ -2,7 +2,7 @@
 
     python benchmarks/routes.py --scenario S4|S5|S6|S7|S8|all [--json]
 
-Mock judges run as subprocesses (`qreward_queue.mock_judge.spawn`), every one with latency
+Mock judges run as subprocesses (`qreward_queue.testing.mock_judge.spawn`), every one with latency
 200 ms mean (lognormal, cv 0.5) and the same verdict rule, so any backend's score can be checked.
 qrq runs real `qrq worker` subprocesses, one per backend, each a thread pool sized by the
 README's rule, 3 x (rpm / 60) x latency (12, 24, 36 threads for 1200, 2400, 3600 rpm; 30 for
@@ -69,7 +69,7 @@ from support import write_route_config
 import qreward_queue
 from qreward_queue.config import Limits, advised_calls
 from qreward_queue.demo import expected_scores, grpo_batch
-from qreward_queue.mock_judge import MockJudgeProcess, MockJudgeSettings, spawn
+from qreward_queue.testing.mock_judge import MockJudgeProcess, MockJudgeSettings, spawn
 
 REDIS_URL = os.environ.get("QRQ_BENCH_REDIS_URL", "redis://127.0.0.1:6379/10")
 LATENCY_MS = 200.0

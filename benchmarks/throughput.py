@@ -45,9 +45,9 @@ import baselines
 from common import REDIS_URL, QrqWorker, flush_redis, percentile, write_config
 
 import qreward_queue
-from qreward_queue.client import POLL_INTERVAL_S
 from qreward_queue.demo import grpo_batch
-from qreward_queue.mock_judge import MockJudgeSettings, spawn, verdict
+from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn, verdict
+from qreward_queue.trainer.client import POLL_INTERVAL_S
 
 LATENCY_MS = 20.0
 LATENCY_CV = 0.5

@@ -53,9 +53,9 @@ from common import (
 
 import qreward_queue
 from qreward_queue.demo import expected_scores, grpo_batch
-from qreward_queue.integrations.batcher import default_batcher
 from qreward_queue.integrations.coerce import make_sample
-from qreward_queue.mock_judge import MockJudgeSettings, spawn
+from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn
+from qreward_queue.trainer.batcher import default_batcher
 
 SERVER_RPM, SERVER_CONCURRENT, LATENCY_MS, LATENCY_CV = 3000, 64, 200.0, 0.5
 WORKERS, WORKER_THREADS = 2, 32

@@ -35,7 +35,7 @@ from common import REDIS_URL, QrqWorker, flush_redis, judge_config, write_config
 import qreward_queue
 from qreward_queue.config import Limits, advised_calls
 from qreward_queue.demo import expected_scores, grpo_batch
-from qreward_queue.mock_judge import MockJudgeSettings, spawn
+from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn
 
 LATENCY_MS = 100.0
 PROBE_S = 10.0

@@ -179,7 +179,7 @@ print(batch.summary()["spend"])
 
 def group_judging(_: str) -> str:
     """README's group-mode example (GROUP_BACKEND, GROUP_CODE) against a mock judge."""
-    from qreward_queue.mock_judge import MockJudgeSettings, spawn
+    from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn
 
     with tempfile.TemporaryDirectory(prefix="qrq-readme-") as tmp, \
             spawn(MockJudgeSettings(latency_ms=20)) as judge:

@@ -20,7 +20,7 @@ from types import ModuleType
 import qreward_queue as qrq
 from qreward_queue.errors import ConfigError
 from qreward_queue.extras import require
-from qreward_queue.mock_judge import MockJudge, MockJudgeSettings
+from qreward_queue.testing.mock_judge import MockJudge, MockJudgeSettings
 
 
 def needs(module: str) -> ModuleType:

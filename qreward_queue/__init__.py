@@ -1,6 +1,5 @@
 """qreward-queue: score RL rewards fast under the rate limits of the services that compute them."""
 
-from .client import RewardBatch, score, submit_batch
 from .config import Config, load_config
 from .errors import (
     ConfigError,
@@ -14,9 +13,10 @@ from .errors import (
     TransientError,
     UnknownRoute,
 )
-from .integrations.batcher import MicroBatcher, score_one, score_one_sync
 from .runtime import configure, get_app
 from .samples import Outcome
+from .trainer.batcher import MicroBatcher, score_one, score_one_sync
+from .trainer.client import RewardBatch, score, submit_batch
 
 __all__ = [
     "Config",

@@ -17,14 +17,15 @@ from celery import Celery
 from celery.signals import task_received, worker_ready
 from kombu import Queue
 
-from . import keys, kombu_fix, liveness, redis_conn
-from .breaker import CircuitBreaker
+from . import keys, kombu_fix, redis_conn
 from .config import Backend, Config
+from .flow.breaker import CircuitBreaker
+from .flow.limiter import Limiter
+from .flow.spend import Ledger
 from .lease import BatchWatch
-from .limiter import Limiter
-from .liveness import HEARTBEAT_S, HELD_TTL_S
+from .ops import liveness
+from .ops.liveness import HEARTBEAT_S, HELD_TTL_S
 from .priority import Priority
-from .spend import Ledger
 
 kombu_fix.install()  # a Redis restart must not kill the worker (see kombu_fix)
 
@@ -144,7 +145,7 @@ def celery_settings(config: Config) -> dict:
         "worker_enable_soft_shutdown_on_idle": True,
         "task_default_queue": "qrq.default",
         # malformed messages (body or headers) are rejected and kept, never kill the worker
-        "worker_consumer": "qreward_queue.dead_letter:CheckedConsumer",
+        "worker_consumer": "qreward_queue.ops.dead_letter:CheckedConsumer",
     }
     if config.embedded:
         settings.update(
@@ -185,7 +186,7 @@ def _start_heartbeat(sender, **_) -> None:
     app = sender.app
     if not isinstance(app, QrqCelery) or app.qrq_config.embedded:
         return
-    from .call_pool import pool_sizes  # worker side only: a trainer's import does without it
+    from .worker.call_pool import pool_sizes  # worker side only: a trainer's import does without it
 
     queues = list(app.amqp.queues.consume_from or {})  # also tells clients who serves a queue
 
@@ -204,7 +205,7 @@ class EmbeddedWorker:
     def __init__(self, app: QrqCelery, concurrency: int):
         from celery.result import _set_task_join_will_block
 
-        from .tasks import register
+        from .worker.tasks import register
 
         register(app)  # the tasks exist where a worker runs them (a client only sends them)
         self.app = app

@@ -30,9 +30,9 @@ from .config import (
 )
 from .errors import ConfigError, QrqError
 from .extras import missing_extra
-from .mock_judge import mock_judge_cli
 from .priority import Priority
 from .runtime import check_redis, describe_mode, redis_problem
+from .testing.mock_judge import mock_judge_cli
 
 EXIT_SOME_NOT_SCORED, EXIT_USAGE, EXIT_NONE_SCORED = 1, 2, 3
 EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
@@ -148,8 +148,8 @@ def score(input_file, output, route, priority, deadline_s, config_path) -> None:
     """
     from tqdm import tqdm
 
-    from .client import submit_batch
     from .runtime import configure, shutdown
+    from .trainer.client import submit_batch
 
     config = _load(config_path)
     click.echo(describe_mode(config), err=True)
@@ -168,8 +168,18 @@ def score(input_file, output, route, priority, deadline_s, config_path) -> None:
                 interrupted = True
             outcomes = batch.outcomes()
             bar.update(len(batch) - bar.n)
+        # written before the embedded worker stops: its shutdown waits for a call in flight,
+        # and the outcomes are due at the deadline, not after that call
+        write_outcomes(output, outcomes, lines, unreadable)
     finally:
         shutdown()
+    summary, code = summarize(outcomes)
+    click.echo(summary, err=True)
+    sys.exit(EXIT_INTERRUPTED if interrupted else code)
+
+
+def write_outcomes(output, outcomes: list, lines: list[int], unreadable: dict[int, str]) -> None:
+    """One JSON line per outcome, in input order, naming the input line of each."""
     for index, outcome in enumerate(outcomes):
         if index in unreadable:
             outcome.error = unreadable[index]
@@ -177,9 +187,6 @@ def score(input_file, output, route, priority, deadline_s, config_path) -> None:
             outcome.error = f"line {lines[index]}: {outcome.error}"
         output.write(json.dumps({"index": index, "line": lines[index], **outcome.to_dict()}) + "\n")
     output.flush()
-    summary, code = summarize(outcomes)
-    click.echo(summary, err=True)
-    sys.exit(EXIT_INTERRUPTED if interrupted else code)
 
 
 def summarize(outcomes: list) -> tuple[str, int]:
@@ -242,10 +249,10 @@ def worker(
 
     from .app import QrqCelery
     from .backends import make_backend
-    from .call_pool import call_pool
     from .message import TASK_NAME
     from .redact import install_log_filter
-    from .tasks import register
+    from .worker.call_pool import call_pool
+    from .worker.tasks import register
 
     backend = load_backend(backend_file)  # its own file: every problem in it is an error
     broken: dict[str, str] = {}
@@ -288,9 +295,9 @@ def worker(
         if backend.pool.max_memory_per_child_mb:
             argv += ["--max-memory-per-child", str(backend.pool.max_memory_per_child_mb * 1024)]
     if metrics_port:
-        from .metrics import serve_worker
+        from .ops.metrics import serve_worker
 
-        serve_worker(metrics_port, TASK_NAME)
+        serve_worker(metrics_port)
         click.echo(f"metrics on :{metrics_port}/metrics")
     click.echo(
         describe_mode(config) + f"; worker for backend {backend.name!r} on queue {backend.queue}"
@@ -334,7 +341,7 @@ def busy_tasks_warning(backend: Backend, override: int | None) -> str | None:
 @click.option("--json", "as_json", is_flag=True, help="One JSON document instead of the table.")
 def status(config_path: str | None, watch: bool, interval: float, as_json: bool) -> None:
     """Each backend's queue by priority, rate limit, 429s, leases, adaptive limit, breaker, ETA."""
-    from . import status as view
+    from .ops import status as view
 
     config = _load(config_path, required=False)
     if watch and not config.embedded:
@@ -371,7 +378,7 @@ def status(config_path: str | None, watch: bool, interval: float, as_json: bool)
 def plan(config_path, route, n, prompt_tokens, response_tokens, latency_ms, group_size,
          metrics_urls, cpu_ms, call_cpu_ms, workers, cores, target_s, as_json) -> None:
     """Predict the reward step's wall time, the binding limit of each backend, what to change."""
-    from .plan import Workload, plan_route, render_plan
+    from .ops.plan import Workload, plan_route, render_plan
 
     config = load_config(config_path)
     counts = {}
@@ -382,7 +389,7 @@ def plan(config_path, route, n, prompt_tokens, response_tokens, latency_ms, grou
         counts[name] = int(count)
     measured = {}
     if metrics_urls:
-        from .metrics import measured_latency_s
+        from .ops.metrics import measured_latency_s
 
         measured = measured_latency_s(metrics_urls)
     work = Workload(n, prompt_tokens, response_tokens, latency_ms / 1000, cpu_ms / 1000,
@@ -401,7 +408,7 @@ def plan(config_path, route, n, prompt_tokens, response_tokens, latency_ms, grou
 def exporter(config_path: str | None, port: int, host: str) -> None:
     """Serve the shared Redis state (queues by priority, leases, limits, breaker) to Prometheus."""
     from .app import QrqCelery
-    from .exporter import serve_exporter
+    from .ops.exporter import serve_exporter
 
     config = load_config(config_path)
     if config.embedded:
@@ -417,7 +424,7 @@ def exporter(config_path: str | None, port: int, host: str) -> None:
 @click.option("--limit", default=20, show_default=True, help="How many, newest first.")
 def dead_letters(config_path: str | None, limit: int) -> None:
     """Malformed task messages the workers refused, one JSON line each (newest first)."""
-    from .dead_letter import read
+    from .ops.dead_letter import read
     from .redis_conn import connect
 
     config = load_config(config_path)
@@ -440,9 +447,9 @@ def dead_letters(config_path: str | None, limit: int) -> None:
 def gateway(config_path: str | None, host: str, port: int, route: str | None, max_items: int,
             max_wait_ms: float, deadline_s: float | None) -> None:
     """Remote-RM HTTP server: OpenRLHF POST /get_reward, slime POST /slime, GET /health."""
-    from .integrations.batcher import MicroBatcher
     from .integrations.gateway import Gateway, serve
     from .runtime import configure
+    from .trainer.batcher import MicroBatcher
 
     app = configure(config_path)
     app.qrq_config.route(route)  # an unknown route fails here, not at the first request

@@ -19,7 +19,7 @@ from .backends import KINDS
 from .backends.judge import SCORE_MATCHES
 from .ensemble import AGGREGATES
 from .errors import ConfigError, UnknownRoute
-from .ratelimit_headers import DEFAULT_MAX_PAUSE_S
+from .flow.ratelimit_headers import DEFAULT_MAX_PAUSE_S
 from .settings import (
     BUSY_TASKS,
     DEFAULT_SCORE_PATTERN,

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import UnknownRoute
-from .ratelimit_headers import DEFAULT_MAX_PAUSE_S
+from .flow.ratelimit_headers import DEFAULT_MAX_PAUSE_S
 from .redact import remember
 
 DEFAULT_TEMPLATE = (
@@ -57,7 +57,8 @@ def advised_calls(
     return math.ceil(total / workers)
 
 
-# With no `calls` in the file, a worker process sizes its calls in flight itself (call_pool.py):
+# With no `calls` in the file, a worker process sizes its calls in flight itself
+# (worker/call_pool.py):
 PROCESS_CALLS = 64  # where it starts, and its size with no limit known (an asyncio client's 64)
 MAX_PROCESS_CALLS = 256  # the most it grows to, under max_concurrent and rpm x latency
 BUSY_TASKS = 8  # chunk tasks at once per process beyond which `concurrency` only costs
@@ -74,7 +75,7 @@ class Pool:
     # file (`sized`), the most the pool may size itself to (see call_pool.CallSizing)
     calls: int = PROCESS_CALLS
     sized: bool = True
-    # function backends: the helper process that runs the function (see backends/function.py)
+    # function backends: the helper process that runs the function (see backends/function_runner.py)
     memory_limit_mb: int | None = 2048
     max_tasks_per_child: int = 1000
     max_memory_per_child_mb: int | None = None

@@ -19,7 +19,7 @@ from pathlib import Path
 from support import PrivateRedis, expected, judge_backend, start_workers, wait_for, write_config
 
 import qreward_queue
-from qreward_queue.mock_judge import MockJudgeSettings, spawn
+from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn
 
 FAULTS = ("worker_kill", "redis_restart", "redis_outage")
 SAMPLES = 2000

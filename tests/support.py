@@ -330,7 +330,7 @@ def tasks_received(worker: Worker) -> int:
 def expected(app, backend: str, sample: dict) -> float:
     """The mock judge's verdict on what `backend` sends it for `sample`."""
     from qreward_queue.backends.judge import JudgeBackend
-    from qreward_queue.mock_judge import verdict
+    from qreward_queue.testing.mock_judge import verdict
 
     return verdict(JudgeBackend(app.backend_config(backend)).render(sample))
 

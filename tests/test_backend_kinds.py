@@ -27,10 +27,10 @@ from qreward_queue.cache import reward_identity
 from qreward_queue.cli import cli
 from qreward_queue.config import ConfigError, load_backend, load_config
 from qreward_queue.errors import RateLimited
-from qreward_queue.plan import Workload, plan_route
-from qreward_queue.routing import chunk_size, plan
+from qreward_queue.ops.plan import Workload, plan_route
 from qreward_queue.settings import Backend
 from qreward_queue.toml_table import Table
+from qreward_queue.trainer.routing import chunk_size, plan
 
 TESTS = Path(__file__).resolve().parent
 PER_CALL = 4

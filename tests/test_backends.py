@@ -23,8 +23,8 @@ from qreward_queue.backends.judge import JudgeBackend
 from qreward_queue.backends.reward_model import RewardModelBackend
 from qreward_queue.config import Backend, Retry
 from qreward_queue.errors import PermanentError, RateLimited, ScoringError, TransientError
-from qreward_queue.mock_judge import MockJudge, MockJudgeSettings, rm_verdict, verdict
-from qreward_queue.tasks import ChunkRunner
+from qreward_queue.testing.mock_judge import MockJudge, MockJudgeSettings, rm_verdict, verdict
+from qreward_queue.worker.tasks import ChunkRunner
 
 # --- helpers --------------------------------------------------------------------------------
 
@@ -438,7 +438,7 @@ def test_function_failure_of_one_sample_spares_the_others(rewards_module):
 
 
 def test_a_huge_int_from_a_reward_function_fails_only_its_sample():
-    from qreward_queue.backends.function import _score_one
+    from qreward_queue.backends.function_runner import _score_one
 
     error = _score_one(lambda s: 10**400, {}, {})
     assert isinstance(error, PermanentError) and str(error).endswith(", not a finite number")

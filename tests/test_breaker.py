@@ -15,16 +15,16 @@ import fakeredis
 import pytest
 from support import wait_for
 
-from qreward_queue import call_path
 from qreward_queue.app import QrqCelery
 from qreward_queue.backends import Call
-from qreward_queue.breaker import CircuitBreaker
-from qreward_queue.capacity import route_shares
-from qreward_queue.chunk_runner import ChunkRunner
 from qreward_queue.config import Backend, Config, Limits, Pool, Retry, Route
 from qreward_queue.errors import RateLimited
-from qreward_queue.ratelimit_headers import Feedback
-from qreward_queue.routing import Chunk, plan, spread, water_fill
+from qreward_queue.flow.breaker import CircuitBreaker
+from qreward_queue.flow.capacity import route_shares
+from qreward_queue.flow.ratelimit_headers import Feedback
+from qreward_queue.trainer.routing import Chunk, plan, spread, water_fill
+from qreward_queue.worker import call_path
+from qreward_queue.worker.chunk_runner import ChunkRunner
 
 COOLDOWN_S = 0.5  # long enough that a loaded machine does not see it lapse mid-check
 

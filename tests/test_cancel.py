@@ -20,8 +20,8 @@ import pytest
 from support import ROOT, expected, judge_backend, start_workers, wait_for, write_config
 
 import qreward_queue
-from qreward_queue.integrations.batcher import MicroBatcher
-from qreward_queue.mock_judge import MockJudgeSettings, spawn
+from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn
+from qreward_queue.trainer.batcher import MicroBatcher
 
 CALLS = 8  # calls in flight per worker: the most a cancel can leave running
 

@@ -30,7 +30,7 @@ from support import (
 
 import qreward_queue
 from qreward_queue.cli import cli
-from qreward_queue.mock_judge import MockJudgeSettings, spawn
+from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn
 
 FALLBACK = -1.0
 
@@ -168,7 +168,7 @@ def test_malformed_task_messages_are_dead_lettered_and_the_worker_keeps_consumin
     assert worker.proc.poll() is None, worker.log.read_text()[-3000:]
     assert_all_right(app, "j", samples, outcomes)
     # and each bad message is kept once, inspectable, with the reason, and not requeued
-    from qreward_queue import dead_letter
+    from qreward_queue.ops import dead_letter
 
     raw, *letters = dead_letter.read(redis_client)
     assert (raw["body"], raw["headers"]["id"]) == ("{not json", "raw")
@@ -439,7 +439,7 @@ def test_every_header_celery_reads_is_checked_and_a_wrong_one_is_dead_lettered(
                                               deadline_s=30).outcomes()
         assert worker.proc.poll() is None, (name, worker.log.read_text()[-3000:])
         assert_all_right(app, "j", samples, outcomes)
-    from qreward_queue import dead_letter
+    from qreward_queue.ops import dead_letter
 
     letters = dead_letter.read(redis_client, limit=sent + 1)
     assert len(letters) == sent, [d["reason"] for d in letters]
@@ -454,7 +454,7 @@ def test_the_headers_celery_itself_sends_pass_the_checks():
     # what a qrq client sends, and what a retry with a countdown (an eta) or limits carries
     from celery import Celery
 
-    from qreward_queue.dead_letter import header_problem
+    from qreward_queue.ops.dead_letter import header_problem
 
     amqp = Celery(set_as_current=False).amqp
     sent = [amqp.as_task_v2("t1", "qrq.score_chunk", kwargs={"x": 1}, expires=30.5,

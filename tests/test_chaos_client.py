@@ -18,10 +18,10 @@ import redis
 from support import PrivateRedis, Worker, free_port, judge_backend, wait_for, write_config
 
 import qreward_queue
-from qreward_queue.backends.http import post_json
+from qreward_queue.backends.transport import post_json
 from qreward_queue.config import Backend
 from qreward_queue.errors import PermanentError, RedisUnreachable, TransientError
-from qreward_queue.mock_judge import MockJudgeSettings, spawn
+from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn
 
 
 class RawServer:

@@ -17,7 +17,7 @@ from support import ROOT, judge_backend, write_config
 from qreward_queue.backends.judge import JudgeBackend
 from qreward_queue.cli import cli
 from qreward_queue.config import load_config
-from qreward_queue.mock_judge import MockJudge, MockJudgeSettings, verdict
+from qreward_queue.testing.mock_judge import MockJudge, MockJudgeSettings, verdict
 
 MODE_LINE = "qrq: embedded mode"
 
@@ -30,7 +30,7 @@ def no_qrq_env(monkeypatch):
 
 @pytest.fixture
 def judge() -> Iterator[MockJudge]:
-    with MockJudge(MockJudgeSettings(latency_ms=2, latency_cv=0, hang_s=2.5)) as mock:
+    with MockJudge(MockJudgeSettings(latency_ms=2, latency_cv=0, hang_s=8.0)) as mock:
         yield mock
 
 
@@ -163,7 +163,7 @@ def test_score_deadline_returns_on_time_with_timeouts(tmp_path, config_path):
     in_file = tmp_path / "in.jsonl"
     samples = [{"prompt": "p", "response": "fine"}, {"prompt": "p", "response": "[[mock:hang]]"}]
     in_file.write_text("".join(json.dumps(s) + "\n" for s in samples))
-    with start_qrq("score", str(in_file), "--route", "grade", "--deadline-s", "0.5",
+    with start_qrq("score", str(in_file), "--route", "grade", "--deadline-s", "2",
                    config=config_path) as proc:
         mode = proc.stderr.readline()  # said as the batch is about to be submitted
         said = time.monotonic()
@@ -175,9 +175,9 @@ def test_score_deadline_returns_on_time_with_timeouts(tmp_path, config_path):
     out = [json.loads(line) for line in stdout.splitlines()]  # -o defaults to stdout
     assert [o["status"] for o in out] == ["ok", "timeout"]
     assert out[1]["score"] == -1.0
-    # deadline promise, as `qrq score` keeps it: outcomes() returns at the 0.5 s deadline, then
-    # stopping the embedded workers lets the in-flight call end (hang_s 2.5) before the write
-    assert written_in < 2.5 + 1.5, written_in
+    # deadline promise: the outcomes are written at the 2 s deadline, before stopping the
+    # embedded workers lets the in-flight call end (hang_s 8); 2 s of room for start-up
+    assert written_in < 2 + 2, written_in
 
 
 # --- one-line errors without a worker (in-process through click's runner) ----------------------

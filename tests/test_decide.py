@@ -6,7 +6,7 @@ import pytest
 
 from qreward_queue.config import Retry
 from qreward_queue.errors import RateLimited
-from qreward_queue.retry import Next, RetryPolicy, Tries
+from qreward_queue.worker.retry import Next, RetryPolicy, Tries
 
 POLICY = Retry(attempts=3, backoff_base_s=0.5, backoff_cap_s=10, jitter=False)
 

@@ -27,8 +27,8 @@ from support import (
 
 import qreward_queue
 from qreward_queue.backends.judge import JudgeBackend
-from qreward_queue.mock_judge import MockJudgeSettings, rm_verdict, spawn, verdict
 from qreward_queue.rewards.basic import exact_match
+from qreward_queue.testing.mock_judge import MockJudgeSettings, rm_verdict, spawn, verdict
 
 FALLBACK = -1.0  # a fallback score no judge can give, so a silently zeroed reward shows
 

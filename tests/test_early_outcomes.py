@@ -10,8 +10,8 @@ from support import Worker, expected, judge_backend, wait_for, write_config
 
 import qreward_queue as qrq
 from qreward_queue import keys, records
-from qreward_queue.integrations.batcher import MicroBatcher
-from qreward_queue.mock_judge import MockJudge, MockJudgeSettings
+from qreward_queue.testing.mock_judge import MockJudge, MockJudgeSettings
+from qreward_queue.trainer.batcher import MicroBatcher
 
 SLOW = 3  # the index of the sample the judge answers late
 CHUNK = 8

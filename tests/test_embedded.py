@@ -21,7 +21,7 @@ from qreward_queue.app import QrqCelery
 from qreward_queue.backends.judge import JudgeBackend
 from qreward_queue.config import Backend, Config, load_config
 from qreward_queue.errors import InvalidSamples, UnknownRoute
-from qreward_queue.mock_judge import MockJudge, MockJudgeSettings, rm_verdict, verdict
+from qreward_queue.testing.mock_judge import MockJudge, MockJudgeSettings, rm_verdict, verdict
 
 FALLBACK = -1.0  # qrq.toml's fallback_score in these tests: never mistaken for a real score
 

@@ -17,7 +17,7 @@ from support import free_port, judge_backend, start_workers, write_route_config
 import qreward_queue
 from qreward_queue.backends.judge import JudgeBackend
 from qreward_queue.config import ConfigError, load_config
-from qreward_queue.mock_judge import MockJudgeSettings, spawn, verdict
+from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn, verdict
 
 TEMPLATES = {
     "ja": "Judge A. Prompt: {prompt}\nResponse: {response}\nAnswer 'Score: <x>'.",
@@ -113,7 +113,7 @@ def test_ensemble_keys_are_checked_with_one_line_naming_file_and_key(tmp_path) -
 
 
 def test_plan_counts_every_vote_on_its_judge(tmp_path) -> None:
-    from qreward_queue.plan import Workload, plan_route
+    from qreward_queue.ops.plan import Workload, plan_route
 
     backends = {name: judge_backend("http://127.0.0.1:1") for name in ("ja", "jb")}
     path = write_route_config(tmp_path, backends, routes={

@@ -26,8 +26,8 @@ from support import (
 
 import qreward_queue
 from qreward_queue.errors import RedisUnreachable
-from qreward_queue.mock_judge import MockJudgeSettings, spawn
 from qreward_queue.runtime import check_redis
+from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn
 
 N = 2000
 RPM = 4800  # 80 requests/s: the judge's limit and the backend's, so the limiter is what binds

@@ -20,7 +20,7 @@ from support import ROOT, Worker, free_port, judge_backend, wait_for, write_conf
 
 import qreward_queue
 from qreward_queue.app import QrqCelery
-from qreward_queue.backends.http import post_json
+from qreward_queue.backends.transport import post_json
 from qreward_queue.config import (
     PACKAGED_CONFIG,
     Backend,
@@ -31,8 +31,8 @@ from qreward_queue.config import (
 )
 from qreward_queue.errors import TransientError
 from qreward_queue.keys import queue_lists
-from qreward_queue.mock_judge import MockJudge, MockJudgeSettings
 from qreward_queue.priority import Priority
+from qreward_queue.testing.mock_judge import MockJudge, MockJudgeSettings
 
 
 def qrq(*args: str, cwd: Path, env: dict | None = None, timeout: float = 120):

@@ -16,7 +16,7 @@ from support import ROOT, Worker, function_backend, pid_alive, toml_tables, wait
 
 import qreward_queue
 from qreward_queue.backends import make_backend
-from qreward_queue.backends.function import STARTUP_GRACE_S, runner
+from qreward_queue.backends.function_runner import STARTUP_GRACE_S, runner
 from qreward_queue.config import Backend, Pool, load_backend
 from qreward_queue.errors import ConfigError, PermanentError, SampleTimeout
 
@@ -222,7 +222,7 @@ def _minor_faults(func, *args) -> int:
 
 
 def test_helper_loop_keeps_frame_room_so_deep_recursion_does_not_fault():
-    from qreward_queue.backends.function import _with_frame_room
+    from qreward_queue.backends.function_runner import _with_frame_room
 
     _oscillate(10)  # warm: imports, caches
     plain = min(_minor_faults(_oscillate, 2000) for _ in range(3))

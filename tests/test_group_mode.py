@@ -21,10 +21,10 @@ from qreward_queue.backends import make_backend
 from qreward_queue.config import ConfigError, load_backend
 from qreward_queue.groups import DEFAULT_GROUP_TEMPLATE, render_group
 from qreward_queue.integrations import slime
-from qreward_queue.integrations.batcher import MicroBatcher
-from qreward_queue.mock_judge import MockJudgeSettings, rm_verdict, spawn, split_group
-from qreward_queue.plan import Workload, plan_route
+from qreward_queue.ops.plan import Workload, plan_route
 from qreward_queue.samples import Outcome
+from qreward_queue.testing.mock_judge import MockJudgeSettings, rm_verdict, spawn, split_group
+from qreward_queue.trainer.batcher import MicroBatcher
 
 GROUP_MAX = 4
 

@@ -13,7 +13,7 @@ import time
 
 from support import ROOT, judge_backend, start_workers, wait_for, write_config
 
-from qreward_queue.mock_judge import MockJudgeSettings, spawn
+from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn
 
 LEASE_S = 6.0
 CLIENT = """

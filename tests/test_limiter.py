@@ -15,9 +15,9 @@ import fakeredis
 import pytest
 import redis
 
-import qreward_queue.limiter as limiter_module
-from qreward_queue.limiter import Limiter, LimiterBusy, Reading, estimate_tokens
-from qreward_queue.ratelimit_headers import RateLimitHeaders, parse_duration, parse_retry_after
+import qreward_queue.flow.limiter as limiter_module
+from qreward_queue.flow.limiter import Limiter, LimiterBusy, Reading, estimate_tokens
+from qreward_queue.flow.ratelimit_headers import RateLimitHeaders, parse_duration, parse_retry_after
 
 
 @pytest.fixture(autouse=True)

@@ -21,7 +21,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from support import free_port
 
-from qreward_queue.limiter import Limiter, LimiterBusy
+from qreward_queue.flow.limiter import Limiter, LimiterBusy
 
 SPAWN = mp.get_context("spawn")
 

@@ -14,7 +14,7 @@ from support import ROOT, free_port, function_backend, judge_backend, start_work
 from support import write_route_config as write_config
 
 import qreward_queue as qrq
-from qreward_queue.mock_judge import MockJudgeSettings, spawn
+from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn
 
 parser = pytest.importorskip("prometheus_client.parser")
 URL_UNUSED = "http://127.0.0.1:9"  # never called
@@ -162,8 +162,8 @@ def test_grafana_dashboard_uses_only_exported_metric_names(tmp_path):
 
     from prometheus_client import CollectorRegistry
 
-    from qreward_queue import exporter, metrics
     from qreward_queue.app import QrqCelery
+    from qreward_queue.ops import exporter, metrics
 
     registry = CollectorRegistry()
     metrics._WorkerMetrics(registry)

@@ -10,9 +10,9 @@ import pytest
 from trainer_stack import start_stack
 
 import qreward_queue as qrq
-from qreward_queue.integrations import batcher as batcher_module
-from qreward_queue.integrations.batcher import MicroBatcher
 from qreward_queue.rewards.basic import exact_match
+from qreward_queue.trainer import batcher as batcher_module
+from qreward_queue.trainer.batcher import MicroBatcher
 
 
 def numbered(n: int, tag: str = "m") -> list[dict]:

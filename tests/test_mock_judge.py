@@ -26,7 +26,7 @@ from qreward_queue.groups import (
     parse_group_scores,
     render_group,
 )
-from qreward_queue.mock_judge import (
+from qreward_queue.testing.mock_judge import (
     GROUP_FAULTS,
     MockJudge,
     MockJudgeSettings,

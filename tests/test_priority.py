@@ -20,7 +20,7 @@ from support import Worker, judge_backend, wait_for, write_config
 
 import qreward_queue
 from qreward_queue.backends.judge import JudgeBackend
-from qreward_queue.mock_judge import MockJudgeSettings, spawn, verdict
+from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn, verdict
 
 BACKLOG = 600
 VAL = 16

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from qreward_queue.config import load_backend
-from qreward_queue.ratelimit_headers import MAX_RESET_S, RateLimitHeaders
+from qreward_queue.flow.ratelimit_headers import MAX_RESET_S, RateLimitHeaders
 
 
 def read(max_pause_s: float = 60.0, **headers: str) -> RateLimitHeaders:

@@ -178,3 +178,35 @@ def test_every_example_says_its_extra():
                                   if n not in readme_samples.SLOW])
 def test_sample_output_matches_a_fresh_run(name, redis_url):
     assert readme_samples.check(name, redis_url) is None
+
+
+ARCHITECTURE = (ROOT / "docs" / "architecture.md").read_text()
+# a module or folder as the architecture page and README's module table name them: under
+# qreward_queue/ (`worker/tasks.py`, `flow/lua/`) or dotted (`qreward_queue.worker.tasks`)
+MODULE_PATH = re.compile(r"(?<![\w./<>-])((?:\w+/)*\w+(?:\.py|/))(?![\w<])")
+DOTTED = re.compile(r"\bqreward_queue(?:\.\w+)+")
+
+
+def named_modules(text: str) -> set[str]:
+    return set(MODULE_PATH.findall(text)) | {n.replace(".", "/") for n in DOTTED.findall(text)}
+
+
+def exists(name: str) -> bool:
+    """Under the package, or (a path that starts with a top-level folder) under the root."""
+    return any((base / name).exists() or (base / f"{name}.py").exists()
+               for base in (ROOT / "qreward_queue", ROOT))
+
+
+def test_every_module_the_architecture_page_names_exists():
+    names = named_modules(ARCHITECTURE)
+    assert {"trainer/client.py", "worker/tasks.py", "flow/lua/", "ops/status.py",
+            "backends/transport.py", "testing/mock_judge.py"} <= names  # the parse finds them
+    assert not sorted(n for n in names if not exists(n))
+
+
+def test_every_module_readme_s_table_names_exists():
+    table = re.findall(r"^\| ((?:`[^`]+`(?: \+ | / )?)+) \|", README, re.M)
+    names = {n for row in table for n in re.findall(r"`([^`]+)`", row)
+             if n.endswith((".py", "/"))}
+    assert {"worker/call_path.py", "flow/limiter.py", "backends/"} <= names
+    assert not sorted(n for n in names if not exists(n))

@@ -21,7 +21,7 @@ from support import (
 )
 
 import qreward_queue
-from qreward_queue.mock_judge import MockJudgeSettings, spawn
+from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn
 
 FALLBACK = -1.0
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from qreward_queue.backends import make_backend
-from qreward_queue.backends.function import load_function
+from qreward_queue.backends.function_runner import load_function
 from qreward_queue.config import Backend, load_backend
 from qreward_queue.errors import PermanentError
 from qreward_queue.rewards.combine import weighted_sum

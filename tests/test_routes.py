@@ -25,9 +25,9 @@ from support import (
 )
 
 import qreward_queue
-from qreward_queue import capacity
-from qreward_queue.mock_judge import MockJudgeSettings, spawn
-from qreward_queue.status import queue_depth
+from qreward_queue.flow import capacity
+from qreward_queue.ops.status import queue_depth
+from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn
 
 FALLBACK = -1.0  # no judge gives this, so a fallback score cannot pass for a real one
 

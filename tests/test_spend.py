@@ -14,9 +14,9 @@ from support import expected, judge_backend, start_workers, write_config
 from test_chaos import hostile
 
 import qreward_queue
-from qreward_queue import exporter
 from qreward_queue.cli import cli
-from qreward_queue.mock_judge import MockJudgeSettings, spawn
+from qreward_queue.ops import exporter
+from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn
 
 PRICE = {"input_per_million": 2.0, "output_per_million": 8.0}
 

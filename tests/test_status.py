@@ -12,7 +12,7 @@ from support import ROOT, judge_backend, write_config
 
 import qreward_queue as qrq
 from qreward_queue.app import QrqCelery
-from qreward_queue.status import backend_rows
+from qreward_queue.ops.status import backend_rows
 
 
 def test_status_reports_what_the_limiter_and_queue_hold(tmp_path, redis_url):

@@ -20,9 +20,9 @@ from conftest import REDIS_DB, REDIS_HOST, REDIS_PORT
 from test_gateway import start_gateway
 from trainer_stack import FALLBACK, judge_score, start_stack
 
-from qreward_queue.integrations import batcher as batcher_module
 from qreward_queue.integrations import verl as qrq_verl
 from qreward_queue.integrations.coerce import make_sample
+from qreward_queue.trainer import batcher as batcher_module
 
 pytest.importorskip("transformers", reason="trainer packages: run bash .ci/trainers.sh")
 

@@ -28,7 +28,7 @@ from support import (
 
 import qreward_queue
 from qreward_queue.backends.judge import JudgeBackend
-from qreward_queue.mock_judge import MockJudgeSettings, spawn, verdict
+from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn, verdict
 
 FALLBACK = -1.0
 VISIBILITY_TIMEOUT_S = 10

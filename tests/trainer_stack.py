@@ -13,7 +13,7 @@ from pathlib import Path
 from support import expected, function_backend, judge_backend, start_workers, write_config
 
 import qreward_queue
-from qreward_queue.mock_judge import MockJudgeSettings, spawn
+from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn
 
 FALLBACK = -1.0  # no judge gives it, so a silently zeroed reward would show
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..errors import PermanentError, ScoringError
-from ..ratelimit_headers import Feedback
+from ..flow.ratelimit_headers import Feedback
 from ..settings import Backend
 from ..toml_table import Table
 

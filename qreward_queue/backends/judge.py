@@ -11,7 +11,7 @@ from ..errors import ConfigError, PermanentError, ScoringError
 from ..settings import DEFAULT_SCORE_PATTERN, DEFAULT_TEMPLATE, Backend
 from ..toml_table import Table
 from .base import Call, checked_score, read_score_range, usage_split, usage_tokens
-from .http import HttpBackend, post_json
+from .http import HttpBackend
 
 SCORE_MATCHES = ("unique", "first", "last")
 MODES = ("sample", "group")
@@ -118,7 +118,7 @@ class JudgeBackend(HttpBackend):
         vote = samples[0].get("vote") if len(samples) == 1 else None
         if vote and "temperature" in vote:  # an ensemble's judge asked again: another draw
             payload.update(temperature=vote["temperature"], seed=vote["index"])
-        reply = post_json(self.config, self.endpoint, payload)
+        reply = self.post(payload)
         facts: dict[str, Any] = {"status_code": reply.status_code, "headers": reply.headers}
         try:
             content = reply.body["choices"][0]["message"]["content"]

@@ -8,7 +8,7 @@ from ..errors import PermanentError
 from ..settings import Backend
 from ..toml_table import Table
 from .base import Call, checked_score, read_score_range, usage_split, usage_tokens
-from .http import HttpBackend, post_json
+from .http import HttpBackend
 
 
 class RewardModelBackend(HttpBackend):
@@ -33,7 +33,7 @@ class RewardModelBackend(HttpBackend):
         }
         if self.config.model:
             payload["model"] = self.config.model
-        reply = post_json(self.config, self.endpoint, payload)
+        reply = self.post(payload)
         facts: dict[str, Any] = {"status_code": reply.status_code, "headers": reply.headers}
         scores = reply.body.get("scores") if isinstance(reply.body, dict) else None
         if not isinstance(scores, list) or len(scores) != len(samples):

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..priority import Priority
-from .batcher import default_batcher
+from ..trainer.batcher import default_batcher
 from .coerce import make_sample
 from .guard import require_shared_limits, unscored_error
 

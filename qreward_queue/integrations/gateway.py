@@ -26,7 +26,7 @@ from aiohttp import web
 from ..priority import Priority
 from ..runtime import get_app
 from ..samples import Outcome
-from .batcher import MicroBatcher
+from ..trainer.batcher import MicroBatcher
 from .coerce import make_sample
 from .openrlhf import DEADLINE_S as OPENRLHF_DEADLINE_S
 from .openrlhf import reply, samples_of

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..priority import Priority
 from ..samples import Outcome
-from .batcher import default_batcher
+from ..trainer.batcher import default_batcher
 from .coerce import make_sample
 
 EOS_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<eos>")

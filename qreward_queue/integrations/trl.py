@@ -21,7 +21,7 @@ from typing import Any
 
 from ..priority import Priority
 from ..samples import summarize
-from .batcher import default_batcher
+from ..trainer.batcher import default_batcher
 from .coerce import make_sample
 from .guard import require_shared_limits
 

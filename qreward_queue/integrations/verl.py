@@ -41,7 +41,7 @@ from typing import Any
 
 from ..priority import Priority
 from ..samples import Outcome
-from .batcher import default_batcher
+from ..trainer.batcher import default_batcher
 from .coerce import make_sample, render_chat
 from .guard import require_shared_limits, unscored_error
 

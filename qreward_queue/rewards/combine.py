@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..backends.function import load_function
+from ..backends.function_runner import load_function
 
 
 def weighted_sum(sample: dict, parts: Sequence[dict[str, Any]]) -> float:

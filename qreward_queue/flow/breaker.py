@@ -16,7 +16,7 @@ import time
 
 import redis
 
-from . import keys
+from .. import keys
 
 CLEAN_CACHE_S = 0.5
 

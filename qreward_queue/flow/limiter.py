@@ -2,7 +2,7 @@
 
 Why: a backend enforces its limits across all of our callers, while Celery's ``rate_limit`` is per
 worker. Every worker process on every machine therefore books its calls here, in atomic Lua
-scripts (``qreward_queue/lua/``) clocked by Redis ``TIME`` so that skewed machine clocks do not
+scripts (``qreward_queue/flow/lua/``) clocked by Redis ``TIME`` so that skewed machine clocks do not
 matter. A call is booked at its start time, so levels can go below zero: later calls wait behind
 that debt (first booked, first served) and a cost above capacity passes after its fair wait.
 
@@ -29,8 +29,8 @@ from typing import Any, TypeVar
 import redis
 from redis.commands.core import Script
 
-from . import keys
-from .errors import LimiterBusy
+from .. import keys
+from ..errors import LimiterBusy
 from .ratelimit_headers import DEFAULT_MAX_PAUSE_S, Feedback
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ def estimate_tokens(text: str, max_output_tokens: int = 0) -> int:
 def _load_scripts(client: redis.Redis) -> dict[str, Script]:
     """EVALSHA handles for every script, each prefixed with the shared ``lib.lua`` and without
     comments (the embedded mode's fakeredis compiles the text on every call)."""
-    lua = resources.files("qreward_queue") / "lua"
+    lua = resources.files("qreward_queue.flow") / "lua"
     lib = (lua / "lib.lua").read_text()
     return {name: client.register_script(_code(lib + (lua / f"{name}.lua").read_text()))
             for name in _SCRIPT_KEYS}

@@ -23,19 +23,20 @@ import kombu.exceptions
 import redis
 from celery.states import READY_STATES
 
-from . import keys, lease, records, redis_conn, redis_wait, spend
-from .app import HEARTBEAT_S, REDIS_READ_TIMEOUT_S, QrqCelery
-from .cache import ScoreCache, record_cache, reward_identity, unit_keys
-from .capacity import QueuedSamples, queue_depth, route_shares
-from .config import Config, Route
-from .ensemble import Ballot
-from .errors import Cancelled, DeadlineExceeded, InvalidSamples, RedisUnreachable, ScoringError
-from .liveness import NoWorkerWatch
-from .message import TASK_NAME, chunk_kwargs, summary
-from .priority import Priority
+from .. import keys, lease, records, redis_conn, redis_wait
+from ..app import HEARTBEAT_S, REDIS_READ_TIMEOUT_S, QrqCelery
+from ..cache import ScoreCache, record_cache, reward_identity, unit_keys
+from ..config import Config, Route
+from ..ensemble import Ballot
+from ..errors import Cancelled, DeadlineExceeded, InvalidSamples, RedisUnreachable, ScoringError
+from ..flow import spend
+from ..flow.capacity import QueuedSamples, queue_depth, route_shares
+from ..message import TASK_NAME, chunk_kwargs, summary
+from ..ops.liveness import NoWorkerWatch
+from ..priority import Priority
+from ..runtime import get_app, redis_problem
+from ..samples import Outcome, summarize, validate_samples
 from .routing import Chunk, plan, plan_dealt, units
-from .runtime import get_app, redis_problem
-from .samples import Outcome, summarize, validate_samples
 
 POLL_INTERVAL_S = 0.02
 LIVENESS_CHECK_S = 2.0

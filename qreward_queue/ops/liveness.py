@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 
 import redis
 
-from . import keys
+from .. import keys
 
 log = logging.getLogger("qreward_queue")
 HEARTBEAT_S = 5  # a worker's heartbeat, and a running task's `qrq:held:` key, every 5 s

@@ -9,12 +9,9 @@ from collections import deque
 from collections.abc import Callable
 from functools import partial
 
-from .backends import Call
-from .breaker import CircuitBreaker
-from .call_path import MAX_LIMITER_WAIT_S, CallPath
-from .call_pool import CallPool, InFlight, call_pool
-from .config import Backend
-from .errors import (
+from ..backends import Call
+from ..config import Backend
+from ..errors import (
     BudgetExceeded,
     Cancelled,
     LimiterBusy,
@@ -23,10 +20,13 @@ from .errors import (
     RetryableError,
     ScoringError,
 )
-from .limiter import Grant, Limiter
+from ..flow.breaker import CircuitBreaker
+from ..flow.limiter import Grant, Limiter
+from ..flow.spend import Ledger
+from ..samples import Outcome
+from .call_path import MAX_LIMITER_WAIT_S, CallPath
+from .call_pool import CallPool, InFlight, call_pool
 from .retry import RetryPolicy, Tries, time_left_s
-from .samples import Outcome
-from .spend import Ledger
 
 
 class ChunkRunner:

@@ -23,8 +23,8 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 
-from .backends import make_backend
-from .settings import Backend, Config
+from ..backends import make_backend
+from ..settings import Backend, Config
 
 SERVICE_LIMITS = ("rpm", "tpm", "concurrency")  # the service sets these; we cannot raise them
 

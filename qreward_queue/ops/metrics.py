@@ -29,11 +29,12 @@ from typing import TYPE_CHECKING, Any
 
 from celery.signals import task_success
 
-from .errors import ConfigError
-from .extras import require
+from ..errors import ConfigError
+from ..extras import require
+from ..message import TASK_NAME
 
 if TYPE_CHECKING:
-    from .config import Config
+    from ..config import Config
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -66,14 +67,12 @@ class _WorkerMetrics:
 
 
 _metrics: _WorkerMetrics | None = None
-_counted_task: str | None = None  # the task whose returned outcomes are counted
 
 
-def enable(counted_task: str) -> None:
-    """Create the worker metrics (idempotent) and count the outcomes `counted_task` tasks
-    return. Set PROMETHEUS_MULTIPROC_DIR before, for prefork."""
-    global _metrics, _counted_task
-    _counted_task = counted_task
+def enable() -> None:
+    """Create the worker metrics (idempotent). Set PROMETHEUS_MULTIPROC_DIR before, for
+    prefork."""
+    global _metrics
     if _metrics is None:
         _metrics = _WorkerMetrics()
 
@@ -93,7 +92,7 @@ def _count_outcomes(sender=None, result=None, **_) -> None:
     """A finished chunk's outcomes, counted in the process that ran it (pool child)."""
     if _metrics is None:
         return
-    if sender is not None and sender.name == _counted_task and isinstance(result, list):
+    if sender is not None and sender.name == TASK_NAME and isinstance(result, list):
         config = sender.app.qrq_config
         record_outcomes(route_name(config, sender.request.kwargs.get("route")), result)
 
@@ -152,7 +151,7 @@ def measured_latency_s(urls: Iterable[str]) -> dict[str, float]:
 # -- serving --------------------------------------------------------------------------------
 
 
-def serve_worker(port: int, counted_task: str, host: str = "0.0.0.0") -> str:
+def serve_worker(port: int, host: str = "0.0.0.0") -> str:
     """Expose this worker's metrics (all its pool processes) on `host:port`/metrics.
 
     Must run before the pool starts and before anything imports prometheus_client: it sets
@@ -170,7 +169,7 @@ def serve_worker(port: int, counted_task: str, host: str = "0.0.0.0") -> str:
     registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry, path=path)
     start_http_server(port, addr=host, registry=registry)
-    enable(counted_task)
+    enable()
     return path
 
 

@@ -17,13 +17,15 @@ from functools import partial, wraps
 
 import redis
 
-from . import capacity, liveness, metrics, records
+from .. import records
+from ..errors import Cancelled, DeadlineExceeded, TransientError
+from ..flow import capacity
+from ..message import TASK_NAME, summary
+from ..ops import liveness, metrics
+from ..samples import Outcome
+from ..trainer.routing import failover_target
 from .chunk_runner import ChunkRunner
-from .errors import Cancelled, DeadlineExceeded, TransientError
-from .message import TASK_NAME, summary
 from .retry import RetryPolicy, time_left_s
-from .routing import failover_target
-from .samples import Outcome
 
 # The start of a chunk's outcomes that Flower and the task-succeeded event show: Celery walks
 # the result to build it, per task (at its default, 1,024 characters, 0.2 ms per sample).

@@ -13,11 +13,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from . import metrics
-from .backends import Call, make_backend
-from .breaker import CircuitBreaker
-from .config import Backend
-from .errors import (
+from ..backends import Call, make_backend
+from ..config import Backend
+from ..errors import (
     BudgetExceeded,
     Cancelled,
     LimiterBusy,
@@ -25,9 +23,11 @@ from .errors import (
     ScoringError,
     TransientError,
 )
-from .limiter import Grant, Limiter, Reading
-from .ratelimit_headers import Feedback
-from .spend import Booking, Ledger, Usage
+from ..flow.breaker import CircuitBreaker
+from ..flow.limiter import Grant, Limiter, Reading
+from ..flow.ratelimit_headers import Feedback
+from ..flow.spend import Booking, Ledger, Usage
+from ..ops import metrics
 
 MAX_LIMITER_WAIT_S = 30.0
 

@@ -9,8 +9,8 @@ import queue
 import threading
 from collections.abc import Callable
 
-from .backends import make_backend
-from .config import MAX_PROCESS_CALLS, PROCESS_CALLS, Backend, advised_calls
+from ..backends import make_backend
+from ..config import MAX_PROCESS_CALLS, PROCESS_CALLS, Backend, advised_calls
 
 
 class CallSizing:

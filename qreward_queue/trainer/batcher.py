@@ -30,12 +30,12 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import aio
-from ..client import submit_batch
 from ..priority import Priority
-from ..routing import grouped, pack
 from ..runtime import get_app
 from ..samples import Outcome
+from . import aio
+from .client import submit_batch
+from .routing import grouped, pack
 
 _Key = tuple[str | None, Priority, float | None]
 _Item = tuple[dict[str, Any], Future[Outcome]]

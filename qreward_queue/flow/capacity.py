@@ -1,4 +1,4 @@
-"""What each backend can take now, read from Redis for the pure planner in routing.py:
+"""What each backend can take now, read from Redis for the pure planner in trainer/routing.py:
 its rate (the limiter's learned or configured rpm, else its concurrency as a proxy; 0 while
 its circuit is open) and the samples already waiting in its queue (`QueuedSamples`)."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Mapping
 
-from . import keys
-from .routing import Chunk, water_fill
-from .settings import Config, Route
+from .. import keys
+from ..settings import Config, Route
+from ..trainer.routing import Chunk, water_fill
 
 TYPICAL_BATCH = 4096  # `qrq status` counts queued tasks as chunks of a batch this big
 QUEUED_TTL_S = 3600  # a counter left by lost messages fades

@@ -19,9 +19,9 @@ from typing import Any
 
 import redis
 
-from . import keys
-from .config import Backend, Budget
-from .errors import BudgetExceeded
+from .. import keys
+from ..config import Backend, Budget
+from ..errors import BudgetExceeded
 
 FIELDS = ("calls", "tokens_in", "tokens_out", "estimated", "cost_micro")
 FLUSH_EVERY_S = 0.1

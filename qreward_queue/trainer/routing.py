@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from .backends import make_backend
-from .errors import InvalidSamples
-from .settings import Backend, Config, Route
+from ..backends import make_backend
+from ..errors import InvalidSamples
+from ..settings import Backend, Config, Route
 
 
 @dataclass(frozen=True)

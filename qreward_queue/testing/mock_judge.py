@@ -674,7 +674,7 @@ class MockJudgeProcess:
 
 
 def spawn(settings: MockJudgeSettings | None = None, timeout_s: float = 10.0) -> MockJudgeProcess:
-    """Run the mock judge as `python -m qreward_queue.mock_judge` and wait for its URL."""
+    """Run the mock judge as `python -m qreward_queue.testing.mock_judge` and wait for its URL."""
     settings = settings or MockJudgeSettings()
     options = [
         arg
@@ -682,10 +682,10 @@ def spawn(settings: MockJudgeSettings | None = None, timeout_s: float = 10.0) ->
         for arg in (f"--{field.name.replace('_', '-')}", str(getattr(settings, field.name)))
     ]
     # make the package importable whatever the caller's working directory is
-    paths = [str(Path(__file__).absolute().parents[1]), os.environ.get("PYTHONPATH", "")]
+    paths = [str(Path(__file__).absolute().parents[2]), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths))}
     process = subprocess.Popen(
-        [sys.executable, "-m", "qreward_queue.mock_judge", *options],
+        [sys.executable, "-m", "qreward_queue.testing.mock_judge", *options],
         stdout=subprocess.PIPE,
         text=True,
         env=env,

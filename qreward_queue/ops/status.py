@@ -7,15 +7,15 @@ import json
 import time
 from collections.abc import Callable
 
-from .app import QrqCelery
-from .capacity import TYPICAL_BATCH, queue_depth, queue_depths
-from .config import Config
-from .limiter import CLAIM_WINDOW_S, CORROBORATE
+from ..app import QrqCelery
+from ..config import Config
+from ..flow.capacity import TYPICAL_BATCH, queue_depth, queue_depths
+from ..flow.limiter import CLAIM_WINDOW_S, CORROBORATE
+from ..flow.spend import backend_spend
+from ..priority import Priority
+from ..trainer.routing import chunk_size
 from .liveness import call_pools, live_workers
 from .plan import samples_per_call
-from .priority import Priority
-from .routing import chunk_size
-from .spend import backend_spend
 
 
 def backend_rows(app: QrqCelery) -> list[dict]:

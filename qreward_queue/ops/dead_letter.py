@@ -29,7 +29,7 @@ from celery.utils.time import maybe_iso8601, maybe_make_aware
 from celery.worker.consumer import Consumer
 from kombu.exceptions import DecodeError
 
-from . import keys
+from .. import keys
 
 DEAD_LETTER_KEY = keys.DEAD_LETTERS
 MAX_DEAD_LETTERS = 1000

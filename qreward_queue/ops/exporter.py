@@ -25,11 +25,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from . import keys
-from .app import QrqCelery
-from .capacity import queue_depths
-from .extras import require
-from .priority import Priority
+from .. import keys
+from ..app import QrqCelery
+from ..extras import require
+from ..flow.capacity import queue_depths
+from ..priority import Priority
 from .status import backend_rows
 
 BREAKER_STATES = {"closed": 0, "half-open": 1, "open": 2}

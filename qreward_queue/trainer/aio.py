@@ -18,7 +18,7 @@ import time
 from concurrent.futures import Future, InvalidStateError
 from typing import TYPE_CHECKING
 
-from .samples import Outcome
+from ..samples import Outcome
 
 if TYPE_CHECKING:
     from .client import RewardBatch
