@@ -1,9 +1,12 @@
 """submit_batch and RewardBatch: the trainer's side of the data path.
 
-validate -> dedup -> cache lookup -> plan chunks over the route (weight x free capacity)
+validate -> dedup -> cache lookup -> plan chunks over the route (weight x free capacity;
+   a judge's groups whole: routing.units, cache.unit_keys; an ensemble route's samples as
+   vote-samples on their judges: ensemble.Ballot)
 -> group(score_chunk...) on per-backend priority queues
 -> RewardBatch: poll results, put each outcome back at its input index(es) as its sample
-   finishes (the workers' record log) and as its chunk does (the task's result), cache new
+   finishes (the workers' record log) and as its chunk does (the task's result; an
+   ensemble's sample once its votes are in, aggregated), cache new
    scores, resubmit work that will never come back, and honour the deadline
    (while outstanding it holds a lease in Redis; cancel() or an interrupted wait ends it, and
    workers then make no new call for the batch)
