@@ -179,7 +179,7 @@ def _child_scores_groups(conn, samples: list[dict], batcher_size: int | None) ->
 
 def test_the_micro_batcher_completes_groups_from_many_processes_and_coroutines(worker, judge
                                                                                ) -> None:
-    processes, per_process, size = 4, 64, 8  # 4 x 64 coroutines, groups of 8
+    processes, per_process, size = 8, 128, 8  # 8 x 128 coroutines, groups of 8
     ctx = multiprocessing.get_context("fork")
     children = []
     everything: list[dict] = []
