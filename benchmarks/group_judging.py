@@ -9,12 +9,10 @@ scores a GRPO batch of `groups` x `size` samples twice:
 per-sample (qrq)  the batch through `submit_batch` and one real `qrq worker` (32 calls in
                   flight, the backend file knowing the TPM): one chat call per sample, the
                   default judge template, max_tokens 16.
-group (direct)    one chat call per group with qreward_queue.groups' DEFAULT_GROUP_TEMPLATE
-                  (the prompt once, the responses numbered), max_tokens 8 + 12 per response,
-                  parsed by parse_group_scores. DIRECT: 32 threads post straight to the judge
-                  and retry a 429 after its retry-after-ms (times 1 to 2, jittered), since qrq
-                  has no group mode yet; once it has, this side goes through qrq too and the
-                  label changes.
+group (qrq)       the same batch, worker and limits, the backend file saying `mode = "group"`
+                  (group_max = the group size): one chat call per group with the default group
+                  template (the prompt once, the responses numbered), max_tokens 12 per
+                  response, the reply parsed into one score per response.
 
 `calls` = the judge's accepted calls, `429` its refusals, `prompt_tok` / `completion_tok` the
 usage it billed, `samples/s` = samples over the wall time of the side. `wrong` = scores that
@@ -26,24 +24,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import tempfile
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-
-import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import REDIS_URL, QrqWorker, flush_redis, write_config
 
 import qreward_queue
+from qreward_queue.backends import make_backend
 from qreward_queue.config import DEFAULT_TEMPLATE
-from qreward_queue.errors import PermanentError
-from qreward_queue.groups import DEFAULT_GROUP_TEMPLATE, parse_group_scores, render_group
+from qreward_queue.groups import DEFAULT_GROUP_TEMPLATE, render_group
 from qreward_queue.testing.mock_judge import (
     MockJudgeSettings,
     rm_verdict,
@@ -68,10 +61,14 @@ def grpo_batch(groups: int, size: int) -> list[dict]:
     ]
 
 
-def per_sample_qrq(judge_url: str, samples: list[dict], tpm: float) -> dict:
+def through_qrq(judge_url: str, samples: list[dict], tpm: float, mode: str, size: int
+                ) -> dict:
+    """The batch through one real worker of a judge in `mode`; wall time, outcomes off."""
     flush_redis(REDIS_URL)
+    grouped = {"mode": "group", "group_max": size, "max_tokens": 12} if mode == "group" else {}
     backend = {
-        "backend": {"kind": "judge", "url": judge_url + "/v1", "model": "mock", "timeout_s": 30},
+        "backend": {"kind": "judge", "url": judge_url + "/v1", "model": "mock", "timeout_s": 30,
+                    **grouped},
         "limits": {"tpm": tpm},
         "pool": {"type": "threads", "concurrency": 2, "calls": CALLS},
         "retry": {"attempts": 5, "backoff_base_s": 0.1, "backoff_cap_s": 1.0},
@@ -79,54 +76,30 @@ def per_sample_qrq(judge_url: str, samples: list[dict], tpm: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="qrq-group-bench-") as tmp:
         config = write_config(Path(tmp), {BACKEND: backend}, redis_url=REDIS_URL)
         app = qreward_queue.configure(qreward_queue.load_config(config))
-        worker = QrqWorker(config, BACKEND, "per-sample", app)
+        worker = QrqWorker(config, BACKEND, mode, app)
         try:
             started = time.perf_counter()
             outcomes = qreward_queue.submit_batch(samples, route=BACKEND, app=app).outcomes()
             wall = time.perf_counter() - started
         finally:
             worker.stop()
-    want = [verdict(DEFAULT_TEMPLATE.format(prompt=s["prompt"], response=s["response"],
-                                            reference="")) for s in samples]
+    want = expected(app.backend_config(BACKEND), samples)
     return {"wall_s": wall, "not_ok": sum(not o.scored for o in outcomes),
             "wrong": sum(o.scored and o.score != w for o, w in zip(outcomes, want, strict=True))}
 
 
-def group_direct(judge_url: str, samples: list[dict], size: int) -> dict:
-    texts = [render_group(DEFAULT_GROUP_TEMPLATE, samples[i:i + size])
-             for i in range(0, len(samples), size)]
-    local = threading.local()
-
-    def judge_group(text: str) -> list[float] | None:
-        session = local.__dict__.setdefault("session", requests.Session())
-        payload = {"model": "mock", "messages": [{"role": "user", "content": text}],
-                   "max_tokens": 8 + 12 * size, "temperature": 0}
-        while True:
-            reply = session.post(judge_url + "/v1/chat/completions", json=payload, timeout=30)
-            if reply.status_code != 429:
-                break
-            # jittered, so the 32 threads refused together do not all come back together
-            wait_s = int(reply.headers.get("retry-after-ms", "100")) / 1000
-            time.sleep(wait_s * (1 + random.random()))
-        if reply.status_code != 200:
-            return None
-        try:
-            return parse_group_scores(reply.json()["choices"][0]["message"]["content"], size)
-        except PermanentError:
-            return None
-
-    started = time.perf_counter()
-    with ThreadPoolExecutor(CALLS) as pool:
-        results = list(pool.map(judge_group, texts))
-    wall = time.perf_counter() - started
-    not_ok = wrong = 0
-    for text, scores in zip(texts, results, strict=True):
-        head, responses = split_group(text)
-        if scores is None:
-            not_ok += len(responses)
-        else:
-            wrong += sum(s != rm_verdict(head, r) for s, r in zip(scores, responses, strict=True))
-    return {"wall_s": wall, "not_ok": not_ok, "wrong": wrong}
+def expected(config, samples: list[dict]) -> list[float]:
+    """The mock's score of each sample: of its message, or of its response in its group."""
+    if config.mode != "group":
+        return [verdict(DEFAULT_TEMPLATE.format(prompt=s["prompt"], response=s["response"],
+                                                reference="")) for s in samples]
+    scores = [0.0] * len(samples)
+    for call in make_backend(config).split(samples):
+        head, responses = split_group(render_group(DEFAULT_GROUP_TEMPLATE,
+                                                   [samples[i] for i in call]))
+        for i, response in zip(call, responses, strict=True):
+            scores[i] = rm_verdict(head, response)
+    return scores
 
 
 def run_side(mode: str, judge, n: int, run) -> dict:
@@ -153,9 +126,9 @@ def main() -> None:
     with spawn(settings) as judge:
         sides = [
             run_side("per-sample (qrq)", judge, n,
-                     lambda: per_sample_qrq(judge.url, samples, args.tpm)),
-            run_side("group (direct)", judge, n,
-                     lambda: group_direct(judge.url, samples, args.size)),
+                     lambda: through_qrq(judge.url, samples, args.tpm, "sample", args.size)),
+            run_side("group (qrq)", judge, n,
+                     lambda: through_qrq(judge.url, samples, args.tpm, "group", args.size)),
         ]
     base, group = sides
     ratios = {"mode": "ratio group/per-sample"} | {

@@ -152,6 +152,48 @@ def status(redis_url: str) -> str:
     return text.replace(redact(redis_url), f"{SHOWN_REDIS}/0")
 
 
+GROUP_BACKEND = """\
+[backend]
+kind = "judge"
+url = "${JUDGE_URL:-http://127.0.0.1:8101}/v1"
+model = "mock"
+mode = "group"   # one call per GRPO group: the prompt once, the responses numbered
+group_max = 8    # a larger group is judged in balanced parts (9 -> 5 + 4)
+
+[limits]
+tpm = 1200000
+"""
+GROUP_CODE = """\
+import qreward_queue as qrq
+
+prompt = "What is 17 x 23? Show your steps."
+group = [{"prompt": prompt, "response": r}
+         for r in ("391", "17 x 23 = 391", "381", "I don't know")]
+broken = [{"prompt": "Rate these [[mock:group-few]]", "response": r} for r in "ab"]
+batch = qrq.submit_batch(group + broken, route="grouper")
+for o in batch.outcomes():
+    print(o.status, o.score, *([o.error, "| reply:", repr(o.detail)] if o.error else []))
+print(batch.summary()["spend"])
+"""
+
+
+def group_judging(_: str) -> str:
+    """README's group-mode example (GROUP_BACKEND, GROUP_CODE) against a mock judge."""
+    from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn
+
+    with tempfile.TemporaryDirectory(prefix="qrq-readme-") as tmp, \
+            spawn(MockJudgeSettings(latency_ms=20)) as judge:
+        (Path(tmp) / "workers").mkdir()
+        (Path(tmp) / "workers" / "grouper.toml").write_text(GROUP_BACKEND)
+        (Path(tmp) / "qrq.toml").write_text('workers_dir = "workers"\n')
+        (Path(tmp) / "group.py").write_text(GROUP_CODE)
+        env = {**os.environ, "JUDGE_URL": judge.url, "QRQ_CONFIG": "qrq.toml"}
+        env.pop("QRQ_REDIS_URL", None)
+        run = subprocess.run([sys.executable, "group.py"], cwd=tmp, env=env, timeout=120,
+                             capture_output=True, text=True)
+    return shown("python group.py", run)
+
+
 def demo(_: str) -> str:
     with tempfile.TemporaryDirectory(prefix="qrq-readme-") as tmp:
         run = qrq("demo", cwd=Path(tmp), timeout=600)
@@ -168,7 +210,7 @@ SAMPLES: dict[str, Callable[[str], str]] = {
     "plan": plan, "redis-errors": redis_errors, "missing-extra": missing_extra,
     "api-key": api_key, "config-errors": config_errors, "config-not-found": config_not_found,
     "score-without-judges": score_without_judges, "no-worker": no_worker, "status": status,
-    "demo": demo,
+    "group-judging": group_judging, "demo": demo,
 }
 SLOW = {"demo"}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 
 import redis
 
@@ -26,10 +27,33 @@ def content_key(sample: dict) -> str:
     return digest.hexdigest()
 
 
+def unit_keys(samples: Sequence[dict], whole: list[list[int]]) -> dict[int, str]:
+    """Each sample's dedup and cache key, by the units its route scores in one call (see
+    `routing.units`). A sample alone: its `content_key`. A member of a judge's group: the
+    group's content in order plus its place among identical members, since a group score
+    depends on every response beside it, and a response given twice in one group is judged
+    twice (dedup must never shrink the group the judge sees). An identical group elsewhere
+    (in the batch or the cache) gets the same keys, so it is scored once, as a whole."""
+    found: dict[int, str] = {}
+    for unit in whole:
+        if len(unit) == 1:
+            found[unit[0]] = content_key(samples[unit[0]])
+            continue
+        members = [content_key(samples[i]) for i in unit]
+        group = hashlib.blake2b("\x1d".join(members).encode(), digest_size=16).hexdigest()
+        seen: dict[str, int] = {}
+        for i, member in zip(unit, members, strict=True):
+            seen[member] = seen.get(member, 0) + 1
+            found[i] = f"{group}.{member}.{seen[member]}"
+    return found
+
+
 def reward_identity(config: Config, route: Route) -> str:
     """Changes whenever a backend of the route would score differently: what its kind says
     decides its scores (`BackendClient.identity`: model, template...)."""
     parts = [route.name]
+    if route.votes:  # an ensemble's score is its aggregate: every setting of it counts
+        parts.append(json.dumps([route.votes, route.aggregate, route.quorum, route.temperature]))
     for name in route.backends:
         parts.append(json.dumps(make_backend(config.backend(name)).identity()))
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]

@@ -362,6 +362,8 @@ def status(config_path: str | None, watch: bool, interval: float, as_json: bool)
               help="Mean tokens of a sample's response.")
 @click.option("--latency-ms", type=float, default=1000, show_default=True,
               help="Mean duration of one backend call.")
+@click.option("--group-size", type=click.IntRange(1), default=8, show_default=True,
+              help="Responses per prompt: a judge in group mode scores a group per call.")
 @click.option("--metrics-url", "metrics_urls", multiple=True, metavar="URL",
               help="A worker's /metrics: use the backends' measured mean latency; repeatable.")
 @click.option("--cpu-ms", type=float, default=1.0, show_default=True,
@@ -373,8 +375,8 @@ def status(config_path: str | None, watch: bool, interval: float, as_json: bool)
 @click.option("--cores", type=int, help="CPU cores of the worker machines (default: this one's).")
 @click.option("--target-s", type=float, help="Say what to change to finish within this time.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document instead of the table.")
-def plan(config_path, route, n, prompt_tokens, response_tokens, latency_ms, metrics_urls, cpu_ms,
-         call_cpu_ms, workers, cores, target_s, as_json) -> None:
+def plan(config_path, route, n, prompt_tokens, response_tokens, latency_ms, group_size,
+         metrics_urls, cpu_ms, call_cpu_ms, workers, cores, target_s, as_json) -> None:
     """Predict the reward step's wall time, the binding limit of each backend, what to change."""
     from .ops.plan import Workload, plan_route, render_plan
 
@@ -392,7 +394,7 @@ def plan(config_path, route, n, prompt_tokens, response_tokens, latency_ms, metr
         measured = measured_latency_s(metrics_urls)
     work = Workload(n, prompt_tokens, response_tokens, latency_ms / 1000, cpu_ms / 1000,
                     call_cpu_ms / 1000, counts, **({"cores": cores} if cores else {}),
-                    measured_latency_s=measured)
+                    measured_latency_s=measured, group_size=group_size)
     result = plan_route(config, route, work, target_s)
     click.echo(json.dumps(result.to_dict()) if as_json else render_plan(result))
 

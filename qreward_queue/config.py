@@ -17,6 +17,7 @@ from typing import Any, overload
 
 from .backends import KINDS
 from .backends.judge import SCORE_MATCHES
+from .ensemble import AGGREGATES
 from .errors import ConfigError, UnknownRoute
 from .flow.ratelimit_headers import DEFAULT_MAX_PAUSE_S
 from .settings import (
@@ -207,6 +208,9 @@ def _routes(t: Table, backends: dict[str, Backend], broken: Collection[str] = ()
         names = [n for n in names if n not in broken]
         if not names:
             continue
+        modes = sorted({backends[n].mode for n in names})
+        if len(modes) > 1:  # a group score and a sample score are not the same reward
+            raise r.fail("backends", f'backends of one mode (these mix {" and ".join(modes)})')
         w = r.table("weights")
         weights = tuple(w.number(n, 1.0) for n in names)
         w.finish()
@@ -216,9 +220,33 @@ def _routes(t: Table, backends: dict[str, Backend], broken: Collection[str] = ()
             weights=weights,
             cache=r.get("cache", bool, False),
             cache_ttl_s=r.number("cache_ttl_s", 86400.0),
+            **_ensemble(r, modes),
         )
         r.finish()
     return routes
+
+
+def _ensemble(r: Table, modes: list[str]) -> dict[str, Any]:
+    """`votes`, `aggregate`, `quorum`, `temperature` of a route (none: not an ensemble)."""
+    if "votes" not in r.data:
+        for key in ("aggregate", "quorum", "temperature"):
+            if key in r.data:
+                r.used.add(key)
+                r.note(ConfigError(f"{r.where(key)}: only read with votes = k"))
+        return {}
+    votes = r.integer("votes", None)
+    if votes is None:
+        raise r.fail("votes", "an integer >= 1")
+    if "group" in modes:
+        raise r.fail("votes", "no votes over judges in group mode (a group is one question)")
+    how = r.get("aggregate", str, "mean")
+    if how not in AGGREGATES:
+        raise r.fail("aggregate", f"one of {', '.join(AGGREGATES)}")
+    quorum = r.integer("quorum", votes // 2 + 1)  # default: a majority of the votes
+    if quorum > votes:
+        raise r.fail("quorum", f"an integer from 1 to votes ({votes})")
+    temperature = r.number("temperature", 1.0, allow_zero=True)
+    return {"votes": votes, "aggregate": how, "quorum": quorum, "temperature": temperature}
 
 
 def _redis_settings(t: Table, env_url: str | None) -> tuple[str | None, dict[str, Any]]:

@@ -56,8 +56,13 @@ class Recorder:
         self._last = time.monotonic()
 
     def record(self, index: int, outcome: dict) -> None:
+        self.record_all({index: outcome})
+
+    def record_all(self, outcomes: dict[int, dict]) -> None:
+        """Record one call's outcomes together: no write carries part of them (a judge's
+        group is then never found partly done)."""
         with self._lock:
-            self._buffer[str(index)] = json.dumps(outcome)
+            self._buffer.update((str(i), json.dumps(o)) for i, o in outcomes.items())
             schedule, self._scheduled = not self._scheduled, True
             due = self._last + FLUSH_EVERY_S
         if schedule:

@@ -17,7 +17,9 @@ DEFAULT_MAX_SAMPLE_BYTES = 1 << 20
 _REQUIRED_TEXT = ("prompt", "response")
 _OPTIONAL_TEXT = ("reference", "data_source")
 _TEXT = (*_REQUIRED_TEXT, *_OPTIONAL_TEXT)
-_KNOWN_KEYS = frozenset({*_TEXT, "extra", "id"})
+# `group`: the GRPO group a judge in group mode scores it with (else: its prompt's);
+# `group_size`: how many samples that group has (the micro-batcher waits for all of them)
+_KNOWN_KEYS = frozenset({*_TEXT, "extra", "id", "group", "group_size"})
 
 
 @dataclass
@@ -107,12 +109,17 @@ def sample_problem(sample: Any, max_bytes: int = DEFAULT_MAX_SAMPLE_BYTES) -> st
     unknown = sorted(map(repr, set(sample) - _KNOWN_KEYS))
     if unknown:
         return f"unknown field(s) {', '.join(unknown)} (put your own data in 'extra')"
+    group, size = sample.get("group"), sample.get("group_size")
+    if group is not None and (isinstance(group, bool) or not isinstance(group, (str, int))):
+        return f"field 'group' must be a string or an integer, got {type(group).__name__}"
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+        return f"field 'group_size' must be an integer >= 1, got {size!r}"
     extra = sample.get("extra")
     if extra is not None and not isinstance(extra, dict):
         return f"field 'extra' must be a JSON object, got {type(extra).__name__}"
     # the text's UTF-8 size plus the JSON of the rest: no full encoding of every sample
     size = sum(len(sample[k].encode("utf-8", "surrogatepass")) for k in _TEXT if sample.get(k))
-    rest = {k: sample[k] for k in ("extra", "id") if sample.get(k) is not None}
+    rest = {k: sample[k] for k in ("extra", "id", "group") if sample.get(k) is not None}
     if rest:
         try:
             size += len(json.dumps(rest, allow_nan=False))

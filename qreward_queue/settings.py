@@ -137,6 +137,11 @@ class Backend:
     max_tokens: int = 16
     score_range: tuple[float, float] | None = None  # a score outside it is an error
     score_match: str = "unique"  # several scores in one reply: unique | first | last
+    # judges: "sample" (one call per sample) or "group" (one call per group, groups.py)
+    mode: str = "sample"
+    group_template: str | None = None  # None: groups.DEFAULT_GROUP_TEMPLATE
+    group_max: int = 16  # the most responses one group call holds (larger groups are split)
+    group_pattern: str | None = None  # tagged scores (number, score); None: a JSON list/object
     batch_size: int = 16
     function: str | None = None
     # a kind's own settings (a function: its keyword arguments, fn(sample, **options))
@@ -182,6 +187,12 @@ class Route:
     weights: tuple[float, ...]
     cache: bool = False
     cache_ttl_s: float = 86400.0
+    # an ensemble (ensemble.py): `votes` scores per sample, vote j on backends[j % len], each
+    # a call under its own backend's limits; aggregated by `aggregate` over at least `quorum`
+    votes: int | None = None
+    aggregate: str = "mean"
+    quorum: int = 1
+    temperature: float = 1.0  # of a judge asked again (more votes than backends)
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,18 @@ class BackendClient(ABC):
         """Make ready for the calling thread's first call (an HTTP kind opens its connection)."""
         return None
 
+    def units(self, samples: list[dict]) -> list[list[int]]:
+        """Positions of `samples` that must travel together: the chunker never cuts one
+        across tasks (a judge's group). By default every sample stands alone."""
+        return [[i] for i in range(len(samples))]
+
+    @property
+    def grouped(self) -> bool:
+        """Its calls judge a group of samples together (`units`), one question: a failed call
+        is never made again in halves to find a bad sample (as a reward model's batch is),
+        and a trainer's per-sample calls are held until their group is complete."""
+        return False
+
     def split(self, samples: list[dict]) -> list[list[int]]:
         """Positions of `samples` grouped into calls: `samples_per_call` at a time."""
         size = self.samples_per_call

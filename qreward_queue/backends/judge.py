@@ -1,17 +1,21 @@
-"""LLM-as-judge over an OpenAI-compatible `POST {url}/chat/completions`, one sample per call."""
+"""LLM-as-judge over an OpenAI-compatible `POST {url}/chat/completions`: one sample per call,
+or with `mode = "group"` one GRPO group per call (groups.py: the wire format)."""
 
 from __future__ import annotations
 
 import re
 from typing import Any
 
-from ..errors import PermanentError
+from .. import groups
+from ..errors import ConfigError, PermanentError, ScoringError
 from ..settings import DEFAULT_SCORE_PATTERN, DEFAULT_TEMPLATE, Backend
 from ..toml_table import Table
 from .base import Call, checked_score, read_score_range, usage_split, usage_tokens
 from .http import HttpBackend
 
 SCORE_MATCHES = ("unique", "first", "last")
+MODES = ("sample", "group")
+_GROUP_KEYS = ("group_template", "group_max", "group_pattern")
 
 
 class JudgeBackend(HttpBackend):
@@ -44,13 +48,35 @@ class JudgeBackend(HttpBackend):
         values["score_match"] = b.get("score_match", str, "unique")
         if values["score_match"] not in SCORE_MATCHES:
             raise b.fail("score_match", f"one of {', '.join(SCORE_MATCHES)}")
-        # the default template asks for a score from 0 to 1
-        default_range = (0.0, 1.0) if values["prompt_template"] == DEFAULT_TEMPLATE else None
+        values.update(_group_options(b))
+        # the default templates ask for scores from 0 to 1
+        template = values.get("group_template") or values["prompt_template"]
+        default = groups.DEFAULT_GROUP_TEMPLATE if "group_template" in values else DEFAULT_TEMPLATE
+        default_range = (0.0, 1.0) if template == default else None
         values["score_range"] = read_score_range(b, default_range)
         return values
 
+    @property
+    def grouped(self) -> bool:
+        return self.config.mode == "group"
+
+    def units(self, samples: list[dict]) -> list[list[int]]:
+        """Group mode: whole groups (a chunk holds each or none of it)."""
+        return groups.group_indices(samples) if self.grouped else super().units(samples)
+
+    def split(self, samples: list[dict]) -> list[list[int]]:
+        """Group mode: one call per group, split to at most `group_max` responses."""
+        if self.grouped:
+            return groups.plan_groups(samples, self.config.group_max)
+        return super().split(samples)
+
+    def identity(self) -> list[Any]:
+        c = self.config
+        extra = [c.mode, c.group_template, c.group_max, c.group_pattern] if self.grouped else []
+        return super().identity() + extra
+
     def render(self, sample: dict) -> str:
-        """The user message the judge sees for `sample`."""
+        """The user message the judge sees for `sample` (in sample mode)."""
         return self.config.prompt_template.format(
             prompt=sample["prompt"],
             response=sample["response"],
@@ -60,23 +86,38 @@ class JudgeBackend(HttpBackend):
         )
 
     def messages(self, sample: dict) -> list[dict[str, str]]:
+        return self.call_messages([sample])
+
+    def call_messages(self, samples: list[dict]) -> list[dict[str, str]]:
+        """What one call sends: its sample, or in group mode its group rendered at once."""
+        if self.grouped:
+            template = self.config.group_template or groups.DEFAULT_GROUP_TEMPLATE
+            content = groups.render_group(template, samples)
+        else:
+            (sample,) = samples
+            content = self.render(sample)
         system = [{"role": "system", "content": self.config.system_prompt or ""}]
         return (system if self.config.system_prompt else []) + [
-            {"role": "user", "content": self.render(sample)}
+            {"role": "user", "content": content}
         ]
 
     def estimate_usage(self, samples: list[dict]) -> tuple[float, float]:
-        chars = sum(len(m["content"]) for s in samples for m in self.messages(s))
+        """The calls' messages (a group's prompt counted once) and max_tokens per sample."""
+        calls = [[samples[i] for i in call] for call in self.split(samples)]
+        chars = sum(len(m["content"]) for call in calls for m in self.call_messages(call))
         return chars / 4, float(self.config.max_tokens * len(samples))
 
     def call(self, samples: list[dict]) -> Call:
-        (sample,) = samples
         payload = {
             "model": self.config.model,
-            "messages": self.messages(sample),
-            "max_tokens": self.config.max_tokens,
+            "messages": self.call_messages(samples),
+            # group mode: max_tokens per response, so the reply has room for every score
+            "max_tokens": self.config.max_tokens * len(samples),
             "temperature": 0,
         }
+        vote = samples[0].get("vote") if len(samples) == 1 else None
+        if vote and "temperature" in vote:  # an ensemble's judge asked again: another draw
+            payload.update(temperature=vote["temperature"], seed=vote["index"])
         reply = self.post(payload)
         facts: dict[str, Any] = {"status_code": reply.status_code, "headers": reply.headers}
         try:
@@ -89,13 +130,23 @@ class JudgeBackend(HttpBackend):
             raise PermanentError(
                 "choices[0].message.content is not text", str(content)[:500], **facts
             )
-        score = self.parse_score(content)
-        if isinstance(score, PermanentError):
-            raise PermanentError(str(score), score.detail, **facts)
+        scores = self.parse_group(content, len(samples)) if self.grouped \
+            else self.parse_score(content)
+        if isinstance(scores, PermanentError):
+            raise PermanentError(str(scores), scores.detail, **facts)
         return Call(
-            [score], usage_tokens(reply.body), reply.status_code, reply.headers, [content[:500]],
+            scores if isinstance(scores, list) else [scores], usage_tokens(reply.body),
+            reply.status_code, reply.headers, [content[:500]] * len(samples),
             usage_split(reply.body),
         )
+
+    def parse_group(self, content: str, count: int) -> list[float | ScoringError] | PermanentError:
+        """One score per response of a `count`-group, or the group's error quoting the reply."""
+        try:
+            return list(groups.parse_group_scores(
+                content, count, self.config.group_pattern, self.config.score_range))
+        except PermanentError as exc:
+            return exc
 
     def parse_score(self, content: str) -> float | PermanentError:
         """The score in the judge's reply per `score_pattern` and `score_match`."""
@@ -113,6 +164,34 @@ class JudgeBackend(HttpBackend):
             )
         text = found[-1] if policy == "last" else found[0]
         return checked_score(text, self.config.score_range, f"score {text!r}", content[:500])
+
+
+def _group_options(b: Table) -> dict[str, Any]:
+    """`mode` and, in group mode, its keys (each refused in sample mode, naming it)."""
+    mode = b.get("mode", str, "sample")
+    if mode not in MODES:
+        raise b.fail("mode", f"one of {', '.join(MODES)}")
+    if mode == "sample":
+        for key in _GROUP_KEYS:
+            if key in b.data:
+                b.used.add(key)
+                b.note(ConfigError(f'{b.where(key)}: only read with mode = "group"'))
+        return {}
+    values: dict[str, Any] = {
+        "mode": mode,
+        "group_template": b.get("group_template", str, groups.DEFAULT_GROUP_TEMPLATE),
+        "group_max": b.integer("group_max", Backend.group_max),
+        "group_pattern": b.get("group_pattern", str, None,
+                               expected="a regex with two capture groups: response number, score"),
+    }
+    problem = groups.template_problem(values["group_template"])
+    if problem:
+        raise b.fail("group_template", problem)
+    if values["group_pattern"] is not None:
+        problem = groups.pattern_problem(values["group_pattern"])
+        if problem:
+            raise b.fail("group_pattern", problem)
+    return values
 
 
 def _check_template(t: Table, template: str) -> None:

@@ -8,6 +8,11 @@ None reward breaks its batch. `qrq gateway` serves that over HTTP
 (`--reward.remote_url my_reward.py` holding
 `from qreward_queue.integrations.openrlhf import reward_func`) calls `reward_func` in a thread.
 Unscored samples get the fallback score and `qrq_ok = 0`.
+
+Group judging (one judge call per GRPO group): put the route on a judge with
+`mode = "group"` and set QRQ_BATCH_GROUP_SIZE to `--n_samples_per_prompt` where the gateway
+(or the file-mode process) runs: the micro-batcher holds a prompt's responses until the group
+is complete (or QRQ_BATCH_GROUP_WAIT_MS, 2000, has passed), then sends it whole.
 """
 
 from __future__ import annotations

@@ -25,6 +25,13 @@ returns the same `reward_extra_info` keys with non-None values, because verl bui
 from the keys of the first sample. `+reward.qrq.on_unscored=raise` raises instead (the V1
 trainer then drops the trajectory). Priority is `val` when extra_info["qrq_priority"] is
 "val" or extra_info["split"] is test/val/validation.
+
+Group judging (one judge call per GRPO group): put the route on a judge with
+`mode = "group"` and tell the batcher the group size (`actor_rollout_ref.rollout.n`):
+`+ray_kwargs.ray_init.runtime_env.env_vars.QRQ_BATCH_GROUP_SIZE=8`. Each process holds a
+prompt's responses until it has 8 (or QRQ_BATCH_GROUP_WAIT_MS, 2000, has passed), then sends
+the group whole; groups are assembled per process, so keep `reward.num_workers` such that a
+group's responses reach one process, or accept smaller groups after the wait.
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ class Workload:
     workers: dict[str, int] = field(default_factory=dict)  # backend -> worker processes (1)
     cores: int = field(default_factory=lambda: os.cpu_count() or 1)
     measured_latency_s: dict[str, float] = field(default_factory=dict)  # backend -> from metrics
+    group_size: int = 8  # responses per prompt (a GRPO group): a group-mode judge's call
 
     def latency(self, backend: str) -> float:
         """The backend's measured mean latency if known, else `latency_s`."""
@@ -79,10 +80,22 @@ class Plan:
         return {**asdict(self), "samples_per_s": round(self.n / self.wall_s, 2)}
 
 
-def samples_per_call(backend: Backend) -> int:
-    """Samples one backend call scores, as its kind says (a judge 1, a reward model its batch,
-    a function its chunk)."""
-    return make_backend(backend).samples_per_call
+def one_call(backend: Backend, work: Workload | None = None) -> list[dict]:
+    """The samples of one call of the workload, as the backend's kind splits a batch into
+    calls (a judge: 1, a reward model: its batch, a function: its chunk, a judge in group
+    mode: a GRPO group of `group_size`, split by its `group_max`)."""
+    work = work or Workload(1)
+    client = make_backend(backend)  # groups of `group_size` responses to one prompt each
+    count = max(client.samples_per_call, work.group_size)
+    prompt, response = ("x" * round(4 * t) for t in (work.prompt_tokens, work.response_tokens))
+    samples = [{"prompt": f"{i // work.group_size:08d}{prompt[8:]}", "response": response}
+               for i in range(count)]
+    return [samples[i] for i in client.split(samples)[0]]
+
+
+def samples_per_call(backend: Backend, work: Workload | None = None) -> int:
+    """Samples one backend call scores, as its kind says (see `one_call`)."""
+    return len(one_call(backend, work))
 
 
 def runs_locally(backend: Backend) -> bool:
@@ -92,17 +105,14 @@ def runs_locally(backend: Backend) -> bool:
 
 def tokens_per_call(backend: Backend, work: Workload) -> int:
     """What the limiter books (and OpenAI-style servers charge), as the backend's kind
-    estimates it for one call of samples of the workload's mean sizes."""
-    sample = {k: "x" * round(4 * t) for k, t in (("prompt", work.prompt_tokens),
-                                                 ("response", work.response_tokens))}
-    client = make_backend(backend)  # whole tokens per sample, as providers count them
-    return client.samples_per_call * math.ceil(client.estimate_tokens([sample]))
+    estimates it for one call of samples of the workload's mean sizes (whole tokens)."""
+    return math.ceil(make_backend(backend).estimate_tokens(one_call(backend, work)))
 
 
 def cpu_s_per_call(backend: Backend, work: Workload) -> float:
     """Worker CPU one call costs: the function itself, or qrq's own work around an HTTP call."""
     if runs_locally(backend):
-        return work.cpu_s_per_sample * samples_per_call(backend)
+        return work.cpu_s_per_sample * samples_per_call(backend, work)
     return work.cpu_s_per_call
 
 
@@ -140,14 +150,18 @@ def plan_route(config: Config, route_name: str | None, work: Workload,
         speed = [r * work.cores / cpu_load for r in speed]
         for (rates, _), r in zip(rated, speed, strict=True):
             rates["CPU"] = r
-    capacity = [w * r * samples_per_call(b)
+    capacity = [w * r * samples_per_call(b, work)
                 for b, w, r in zip(members, route.weights, speed, strict=True)]
+    # an ensemble sends each sample to its judges (vote j to backend j mod n), not a share
+    shares = [work.n * sum(route.backends[j % len(members)] == b.name for j in range(route.votes))
+              for b in members] if route.votes else \
+        [round(work.n * cap / sum(capacity)) for cap in capacity]
     plans = []
-    for b, (rates, tokens), cap in zip(members, rated, capacity, strict=True):
-        share = round(work.n * cap / sum(capacity))
-        calls = math.ceil(share / samples_per_call(b))
+    for b, (rates, tokens), share in zip(members, rated, shares, strict=True):
+        per_call = samples_per_call(b, work)
+        calls = math.ceil(share / per_call)
         binding = min(rates, key=rates.__getitem__)
-        plans.append(BackendPlan(b.name, share, calls, samples_per_call(b), tokens, rates,
+        plans.append(BackendPlan(b.name, share, calls, per_call, tokens, rates,
                                  binding, _wall_s(b, calls, rates[binding], work)))
     plan = Plan(route.name, work.n, max(p.wall_s for p in plans), plans, target_s)
     if target_s is not None and plan.wall_s > target_s:

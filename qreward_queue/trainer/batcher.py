@@ -9,6 +9,14 @@ thread while they wait; each caller gets its outcome as soon as its own sample i
 when the whole batch is. Routes and priorities are never mixed in one batch. A batch that
 nobody waits for any more (its callers served or cancelled, one at least cancelled) is
 cancelled too; while one of them still waits, it goes on.
+
+On a route whose judges score whole groups (`mode = "group"`), a caller's sample is held
+until its group is complete, then the group joins the queue whole and no flush cuts it: its
+group is its `group` key, else its prompt; complete is `group_size` samples (a key of the
+sample, else the batcher's `group_size`), or, with no size known or a caller that never comes,
+whatever arrived within `group_wait_ms` of the group's first sample. Groups are assembled per
+process: a trainer whose one group's callers are spread over several processes gets parts of
+groups judged (each after the wait), never a wrong score.
 """
 
 from __future__ import annotations
@@ -23,18 +31,38 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..priority import Priority
+from ..runtime import get_app
 from ..samples import Outcome
 from . import aio
 from .client import submit_batch
+from .routing import grouped, pack
 
 _Key = tuple[str | None, Priority, float | None]
 _Item = tuple[dict[str, Any], Future[Outcome]]
 
 
 @dataclass
-class _Queue:
+class _Held:
+    """A group's samples so far, held until it has `size` (None: unknown) or waited enough."""
+
     opened: float
+    size: int | None
     items: list[_Item] = field(default_factory=list)
+
+
+@dataclass
+class _Queue:
+    ready_since: float | None = None  # when the oldest unit ready to send came
+    units: list[list[_Item]] = field(default_factory=list)  # a sample, or a whole group
+    held: dict[tuple[str, Any], _Held] = field(default_factory=dict)
+
+    @property
+    def ready(self) -> int:
+        return sum(map(len, self.units))
+
+    def add(self, unit: list[_Item], now: float) -> None:
+        self.units.append(unit)
+        self.ready_since = self.ready_since or now
 
 
 class MicroBatcher:
@@ -47,14 +75,23 @@ class MicroBatcher:
         1.0
 
     Args:
-        max_items: a queue is sent as soon as it holds this many samples.
+        max_items: a queue is sent as soon as it holds this many samples (whole groups: a
+            larger group goes alone).
         max_wait_ms: ...or when its oldest sample has waited this long.
+        group_wait_ms: on a group-mode route, the longest a group is held for its missing
+            samples; then what arrived is sent.
+        group_size: on a group-mode route, the samples of a complete group when the sample
+            does not say (`group_size`); None: each group waits `group_wait_ms`.
     """
 
-    def __init__(self, max_items: int = 64, max_wait_ms: float = 20.0):
-        if max_items < 1 or max_wait_ms < 0:
-            raise ValueError("max_items must be >= 1 and max_wait_ms >= 0")
+    def __init__(self, max_items: int = 64, max_wait_ms: float = 20.0,
+                 group_wait_ms: float = 2000.0, group_size: int | None = None):
+        if max_items < 1 or max_wait_ms < 0 or group_wait_ms < 0 or (group_size or 1) < 1:
+            raise ValueError("max_items and group_size must be >= 1, max_wait_ms and "
+                             "group_wait_ms >= 0")
         self.max_items, self.max_wait_s = max_items, max_wait_ms / 1000
+        self.group_wait_s, self.group_size = group_wait_ms / 1000, group_size
+        self._grouped: dict[str | None, bool] = {}
         self._start_fresh()
 
     def _start_fresh(self) -> None:
@@ -78,16 +115,44 @@ class MicroBatcher:
         key = (route, Priority.parse(priority), deadline_s)  # a bad name fails here, not later
         if self._pid != os.getpid():
             self._start_fresh()
+        group = self._group_of(sample, route)
         with self._cond:
-            queue = self._queues.setdefault(key, _Queue(time.monotonic()))
-            queue.items.append((sample, future))
+            now, queue = time.monotonic(), self._queues.setdefault(key, _Queue())
+            if group is None:
+                queue.add([(sample, future)], now)
+            else:
+                held = queue.held.get(group)
+                if held is None:
+                    size = sample.get("group_size") or self.group_size
+                    held = queue.held[group] = _Held(now, size)
+                    self._cond.notify()  # the flusher learns of the group's wait
+                held.items.append((sample, future))
+                if held.size is not None and len(held.items) >= held.size:  # complete
+                    queue.add(queue.held.pop(group).items, now)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="qrq-microbatcher",
                                                 daemon=True)
                 self._thread.start()
-            if len(queue.items) == 1 or len(queue.items) >= self.max_items:
+            if queue.ready_since == now or queue.ready >= self.max_items:
                 self._cond.notify()
         return future
+
+    def _group_of(self, sample: Any, route: str | None) -> tuple[str, Any] | None:
+        """The group `sample` is held in (by `group`, else prompt), None: sent on its own."""
+        if not isinstance(sample, dict) or not self._route_grouped(route):
+            return None
+        if sample.get("group") is not None:
+            return "group", sample["group"]
+        return "prompt", sample.get("prompt")
+
+    def _route_grouped(self, route: str | None) -> bool:
+        if route not in self._grouped:
+            try:
+                config = get_app().qrq_config
+                self._grouped[route] = grouped(config, config.route(route))
+            except Exception:  # no config, an unknown route: submit_batch says why, per caller
+                return False
+        return self._grouped[route]
 
     async def score(
         self,
@@ -125,19 +190,24 @@ class MicroBatcher:
                 self._send(key, items)
 
     def _next_wait(self) -> float | None:
-        if not self._queues:
-            return None
-        oldest = min(q.opened for q in self._queues.values())
-        return max(0.0, oldest + self.max_wait_s - time.monotonic())
+        times = [t for q in self._queues.values()
+                 for t in ([q.ready_since + self.max_wait_s] if q.ready_since else [])
+                 + [held.opened + self.group_wait_s for held in q.held.values()]]
+        return max(0.0, min(times) - time.monotonic()) if times else None
 
     def _take_due(self) -> list[tuple[_Key, list[_Item]]]:
         now, due = time.monotonic(), []
         for key, queue in list(self._queues.items()):
-            if len(queue.items) >= self.max_items or now - queue.opened >= self.max_wait_s:
+            for group, held in list(queue.held.items()):
+                if now - held.opened >= self.group_wait_s:  # waited enough: what it has
+                    queue.add(queue.held.pop(group).items, now)
+            since = queue.ready_since
+            if queue.ready >= self.max_items or (since and now - since >= self.max_wait_s):
+                units = [[(s, f) for s, f in unit if not f.cancelled()] for unit in queue.units]
+                due += [(key, items) for items in pack([u for u in units if u], self.max_items)]
+                queue.units, queue.ready_since = [], None
+            if not queue.units and not queue.held:
                 del self._queues[key]
-                items = [(s, f) for s, f in queue.items if not f.cancelled()]
-                due += [(key, items[i:i + self.max_items])
-                        for i in range(0, len(items), self.max_items)]
         return due
 
     def _send(self, key: _Key, items: list[_Item]) -> None:
@@ -189,13 +259,16 @@ _lock = threading.Lock()
 
 
 def default_batcher() -> MicroBatcher:
-    """This process's batcher (a forked child gets its own; settings from QRQ_BATCH_MAX_ITEMS
-    and QRQ_BATCH_MAX_WAIT_MS)."""
+    """This process's batcher (a forked child gets its own; settings from QRQ_BATCH_MAX_ITEMS,
+    QRQ_BATCH_MAX_WAIT_MS, QRQ_BATCH_GROUP_WAIT_MS and QRQ_BATCH_GROUP_SIZE)."""
     global _batcher
     with _lock:
         if _batcher is None:
-            _batcher = MicroBatcher(int(os.environ.get("QRQ_BATCH_MAX_ITEMS", 64)),
-                                    float(os.environ.get("QRQ_BATCH_MAX_WAIT_MS", 20)))
+            env = os.environ.get
+            _batcher = MicroBatcher(int(env("QRQ_BATCH_MAX_ITEMS", 64)),
+                                    float(env("QRQ_BATCH_MAX_WAIT_MS", 20)),
+                                    float(env("QRQ_BATCH_GROUP_WAIT_MS", 2000)),
+                                    int(env("QRQ_BATCH_GROUP_SIZE", 0)) or None)
         return _batcher
 
 

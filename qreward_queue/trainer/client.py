@@ -1,9 +1,12 @@
 """submit_batch and RewardBatch: the trainer's side of the data path.
 
-validate -> dedup -> cache lookup -> plan chunks over the route (weight x free capacity)
+validate -> dedup -> cache lookup -> plan chunks over the route (weight x free capacity;
+   a judge's groups whole: routing.units, cache.unit_keys; an ensemble route's samples as
+   vote-samples on their judges: ensemble.Ballot)
 -> group(score_chunk...) on per-backend priority queues
 -> RewardBatch: poll results, put each outcome back at its input index(es) as its sample
-   finishes (the workers' record log) and as its chunk does (the task's result), cache new
+   finishes (the workers' record log) and as its chunk does (the task's result; an
+   ensemble's sample once its votes are in, aggregated), cache new
    scores, resubmit work that will never come back, and honour the deadline
    (while outstanding it holds a lease in Redis; cancel() or an interrupted wait ends it, and
    workers then make no new call for the batch)
@@ -25,9 +28,10 @@ from celery.states import READY_STATES
 
 from .. import keys, lease, records, redis_conn, redis_wait
 from ..app import HEARTBEAT_S, REDIS_READ_TIMEOUT_S, QrqCelery
-from ..cache import ScoreCache, content_key, record_cache, reward_identity
-from ..config import Route
-from ..errors import Cancelled, DeadlineExceeded, RedisUnreachable, ScoringError
+from ..cache import ScoreCache, record_cache, reward_identity, unit_keys
+from ..config import Config, Route
+from ..ensemble import Ballot
+from ..errors import Cancelled, DeadlineExceeded, InvalidSamples, RedisUnreachable, ScoringError
 from ..flow import spend
 from ..flow.capacity import QueuedSamples, queue_depth, route_shares
 from ..message import TASK_NAME, chunk_kwargs, summary
@@ -35,7 +39,7 @@ from ..ops.liveness import NoWorkerWatch
 from ..priority import Priority
 from ..runtime import get_app, redis_problem
 from ..samples import Outcome, summarize, validate_samples
-from .routing import Chunk, plan
+from .routing import Chunk, plan, plan_dealt, units
 
 POLL_INTERVAL_S = 0.02
 LIVENESS_CHECK_S = 2.0
@@ -83,10 +87,14 @@ class RewardBatch:
         cache: ScoreCache | None,
         priority: int,
         deadline: float,
+        cache_keys: dict[int, str] | None = None,
     ):
         self.app, self.route, self.samples = app, route, samples
         self.priority, self.deadline, self.cache = priority, deadline, cache
         self._copies = copies
+        self._cache_keys = cache_keys or {}  # a sample's key (cache.unit_keys), where cached
+        self._ballot: Ballot | None = None  # an ensemble route's votes (see `vote`)
+        self._work: Sequence[dict[str, Any]] = samples  # what the chunks' indices point at
         self.batch_id = uuid.uuid4().hex
         self._outcomes: list[Outcome | None] = [None] * len(samples)
         self._listeners: list[Callable[[int, Outcome], None]] = []
@@ -207,9 +215,9 @@ class RewardBatch:
         for chunk in self._pending.values():
             for i in chunk.indices:
                 if i in recorded:
-                    self._place(i, Outcome.from_dict(recorded[i]))
+                    self._arrive(i, Outcome.from_dict(recorded[i]))
                 else:
-                    cancelled += self._place(i, Outcome.failed(why))
+                    cancelled += self._arrive(i, Outcome.failed(why))
         self._pending.clear()
         self._finished = time.monotonic()
         return cancelled
@@ -241,13 +249,19 @@ class RewardBatch:
 
     # -- sending -------------------------------------------------------------------------------
 
+    def vote(self, todo: list[int]) -> list[Chunk]:
+        """An ensemble route: the chunks of `todo`'s vote-samples, each on the backend that
+        casts it (see ensemble.Ballot); their outcomes are aggregated as they come in."""
+        self._ballot = Ballot(self.route, todo, len(self.samples))
+        self._work = [*self.samples, *self._ballot.fan_out(self.samples)]
+        return plan_dealt(self.app.qrq_config, self._ballot.dealt())
+
     def send(self, chunks: list[Chunk]) -> None:
         """Publish one score_chunk task per chunk, all in one batch of one producer, and
         remember which indices each answers."""
         if not chunks:
             return
         config = self.app.qrq_config
-        route = list(self.route.backends)
         messages = {uuid.uuid4().hex: chunk for chunk in chunks}
         self._pending.update(messages)  # unsent, they are found lost and sent again
         if not config.embedded and not self._sentinel:  # the first send: the lease begins
@@ -259,7 +273,9 @@ class RewardBatch:
             # kombu's publish batch sends every message in one pipelined round trip on Redis
             with self.app.producer_or_acquire() as producer, producer.batch():
                 for task_id, chunk in messages.items():
-                    samples = [self.samples[i] for i in chunk.indices]
+                    samples = [self._work[i] for i in chunk.indices]
+                    # a vote stays with its judge: no sibling to fail over to
+                    route = [chunk.backend] if self._ballot else list(self.route.backends)
                     self.app.send_task(
                         TASK_NAME,
                         kwargs=chunk_kwargs(chunk.backend, samples, route, self.deadline,
@@ -333,14 +349,14 @@ class RewardBatch:
         self._log_read += len(logged)
         fresh: dict[str, Outcome] = {}
         for i, data in logged:
-            self._place_fresh(i, Outcome.from_dict(data), fresh)
+            self._arrive(i, Outcome.from_dict(data), fresh)
         collected = [t for t, meta in metas.items()
                      if meta["status"] in READY_STATES and t in self._pending]
         for task_id in collected:
             chunk = self._pending.pop(task_id)
             for i, outcome in zip(chunk.indices, _chunk_outcomes(chunk, metas[task_id]),
                                   strict=True):
-                self._place_fresh(i, outcome, fresh)
+                self._arrive(i, outcome, fresh)
         cache = self.cache
         if cache and fresh:  # best effort: a Redis hiccup costs a cache entry, not a score
             with contextlib.suppress(redis.RedisError, OSError):
@@ -349,10 +365,20 @@ class RewardBatch:
             with contextlib.suppress(redis.RedisError, OSError):
                 self._within(until, lambda: self.app.backend.forget_many(collected))
 
-    def _place_fresh(self, i: int, outcome: Outcome, fresh: dict[str, Outcome]) -> None:
-        """Place an outcome a worker sent; a new real score goes into `fresh` (to cache)."""
-        if self._place(i, outcome) and self.cache and outcome.status == "ok":
-            fresh[content_key(self.samples[i])] = outcome
+    def _arrive(self, i: int, outcome: Outcome, fresh: dict[str, Outcome] | None = None
+                ) -> bool:
+        """An outcome for position `i` of the work (a sample, or an ensemble's vote, which
+        places its sample once all its votes are in); a new real score goes into `fresh` (to
+        cache). True if a sample's outcome was placed."""
+        if i >= len(self.samples) and self._ballot is not None:
+            counted = self._ballot.cast(i, outcome)
+            if counted is None:
+                return False
+            i, outcome = counted
+        placed = self._place(i, outcome)
+        if placed and fresh is not None and self.cache and outcome.status == "ok":
+            fresh[self._cache_keys[i]] = outcome
+        return placed
 
     def _done(self, until: float | None = None) -> None:
         """Every outcome is in: workers may drop any copy of the batch's work still around."""
@@ -432,7 +458,7 @@ class RewardBatch:
             if chunk.backend in self._no_worker.warned:  # so the caller's summary says why
                 why += f": {self._no_worker.cause(chunk.backend)}"
             for i in chunk.indices:
-                self._place(i, Outcome.failed(DeadlineExceeded(why)))  # where none came yet
+                self._arrive(i, Outcome.failed(DeadlineExceeded(why)))  # where none came yet
         self._pending.clear()
         self._finished = time.monotonic()
         lease.release(self.batch_id)  # no Redis write: it may be what made us late
@@ -492,19 +518,20 @@ def submit_batch(
     if on_invalid not in ("raise", "outcome"):
         raise ValueError(f"on_invalid must be 'raise' or 'outcome', got {on_invalid!r}")
     the_route = config.route(route)
-    problems = validate_samples(samples, config.max_sample_bytes, on_invalid == "raise")
+    problems = validate_samples(samples, config.max_sample_bytes, raise_errors=False)
+    whole = _units(config, the_route, samples, problems)
+    if problems and on_invalid == "raise":
+        raise InvalidSamples(problems)
     outcomes: list[Outcome | None] = [None] * len(samples)
     for i, why in problems.items():
         outcomes[i] = Outcome.failed(ScoringError(f"invalid sample {i}: {why}"))
     first: dict[str, int] = {}
     copies: dict[int, list[int]] = {}
-    for i in range(len(samples)):
-        if i not in problems:
-            key = content_key(samples[i])
-            if key in first:
-                copies.setdefault(first[key], []).append(i)
-            else:
-                first[key] = i
+    for i, key in sorted(unit_keys(samples, whole).items()):
+        if key in first:
+            copies.setdefault(first[key], []).append(i)
+        else:
+            first[key] = i
     cache = (
         ScoreCache(app.store, reward_identity(config, the_route), the_route.cache_ttl_s)
         if the_route.cache
@@ -512,22 +539,50 @@ def submit_batch(
     )
     deadline = time.time() + (deadline_s if deadline_s is not None else config.deadline_s)
     def queue() -> RewardBatch:
-        hits = cache.get_many(list(first)) if cache else {}
+        hits = _whole_hits(cache.get_many(list(first)), first, whole) if cache else {}
         if cache:
             record_cache(app.store, the_route.name, len(first), len(hits))
         for key, outcome in hits.items():
             outcomes[first[key]] = outcome
         todo = [i for key, i in first.items() if key not in hits]
         batch = RewardBatch(
-            app, the_route, samples, outcomes, copies, cache, level, deadline
+            app, the_route, samples, outcomes, copies, cache, level, deadline,
+            {i: key for key, i in first.items()},
         )
-        batch.send(plan(config, the_route, todo, route_shares(app, the_route, len(todo))))
+        wanted = set(todo)
+        batch.send(batch.vote(todo) if the_route.votes else
+                   plan(config, the_route, todo, route_shares(app, the_route, len(todo)),
+                        [unit for unit in whole if unit[0] in wanted]))
         return batch
 
     try:  # every Redis outage at submit is one error type, whichever part met it
         return queue() if config.embedded else redis_wait.within(deadline - time.time(), queue)
     except (redis.RedisError, kombu.exceptions.OperationalError, OSError) as exc:
         raise RedisUnreachable(redis_problem(config, exc)) from None
+
+
+def _units(config: Config, route: Route, samples: Sequence[dict[str, Any]],
+           problems: dict[int, str]) -> list[list[int]]:
+    """The valid samples in the units the route scores in one call (see `routing.units`);
+    a sample that cannot join its group (another prompt under its `group`) is one more
+    problem, added to `problems`."""
+    valid = [i for i in range(len(samples)) if i not in problems]
+    try:
+        return units(config, route, samples, valid)
+    except InvalidSamples as exc:
+        problems.update(exc.problems)
+        return units(config, route, samples, [i for i in valid if i not in exc.problems])
+
+
+def _whole_hits(hits: dict[str, Outcome], first: dict[str, int], whole: list[list[int]]
+                ) -> dict[str, Outcome]:
+    """Cache hits of whole units only: a group partly cached is judged again as a whole."""
+    key_of = {i: key for key, i in first.items()}
+    for unit in whole:
+        if len(unit) > 1 and not all(key_of.get(i) in hits for i in unit if i in key_of):
+            for i in unit:
+                hits.pop(key_of.get(i, ""), None)
+    return hits
 
 
 def _id(sample: Any) -> Any:

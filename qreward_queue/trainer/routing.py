@@ -6,9 +6,12 @@ Pure functions: rates and queue depths come in as arguments (`capacity.of` reads
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from ..backends import make_backend
+from ..errors import InvalidSamples
 from ..settings import Backend, Config, Route
 
 
@@ -20,10 +23,14 @@ class Chunk:
     indices: list[int]
 
 
+_Item = TypeVar("_Item")
+
+
 def spread(
-    indices: list[int], route: Route, shares: list[float] | None = None
-) -> dict[str, list[int]]:
-    """Deal `indices` to the route's backends in proportion to `shares` (default: weights).
+    indices: list[_Item], route: Route, shares: list[float] | None = None
+) -> dict[str, list[_Item]]:
+    """Deal `indices` (or units of them) to the route's backends in proportion to `shares`
+    (default: weights).
 
     Smooth weighted round robin, so every backend's share is interleaved through the batch.
     """
@@ -32,7 +39,7 @@ def spread(
         shares = [1.0] * len(shares)
     total = sum(shares)
     current = [0.0] * len(shares)
-    dealt: dict[str, list[int]] = {name: [] for name in route.backends}
+    dealt: dict[str, list[_Item]] = {name: [] for name in route.backends}
     for index in indices:
         for k, share in enumerate(shares):
             current[k] += share
@@ -70,17 +77,56 @@ def chunk_size(backend: Backend, n: int) -> int:
     return max(1, per_call * max(1, size // per_call))
 
 
+def grouped(config: Config, route: Route) -> bool:
+    """The route's backends judge whole groups (the loader gives a route one mode)."""
+    return make_backend(config.backend(route.backends[0])).grouped
+
+
+def units(config: Config, route: Route, samples: Sequence[dict[str, Any]],
+          indices: list[int]) -> list[list[int]]:
+    """`indices` in the units the route's kind keeps in one call (a judge's groups; else one
+    sample each). The loader gives a route backends of one mode, so its first one speaks."""
+    client = make_backend(config.backend(route.backends[0]))
+    try:
+        local = client.units([samples[i] for i in indices])
+    except InvalidSamples as exc:  # named by their places in the batch
+        raise InvalidSamples({indices[k]: why for k, why in exc.problems.items()}) from None
+    return [[indices[k] for k in unit] for unit in local]
+
+
 def plan(
-    config: Config, route: Route, indices: list[int], shares: list[float] | None = None
+    config: Config, route: Route, indices: list[int], shares: list[float] | None = None,
+    whole: list[list[int]] | None = None,
 ) -> list[Chunk]:
-    """Chunks of each backend's chunk size, interleaved across backends."""
+    """Chunks of each backend's chunk size, interleaved across backends. `whole`: `indices`
+    in units (see `units`) that go to one backend, in one chunk, each."""
+    return plan_dealt(config, spread(whole or [[i] for i in indices], route, shares))
+
+
+def plan_dealt(config: Config, dealt: dict[str, list[list[int]]]) -> list[Chunk]:
+    """Chunks of the units dealt to each backend, of its chunk size, interleaved."""
     per_backend = []
-    for name, mine in spread(indices, route, shares).items():
-        size = chunk_size(config.backend(name), len(mine))
-        per_backend.append([Chunk(name, mine[i : i + size]) for i in range(0, len(mine), size)])
+    for name, mine in dealt.items():
+        size = chunk_size(config.backend(name), sum(map(len, mine)))
+        per_backend.append([Chunk(name, part) for part in pack(mine, size)])
     chunks: list[Chunk] = []
     for row in range(max((len(c) for c in per_backend), default=0)):
         chunks.extend(c[row] for c in per_backend if row < len(c))
+    return chunks
+
+
+def pack(whole: Sequence[Sequence[_Item]], size: int) -> list[list[_Item]]:
+    """Consecutive units in chunks of at most `size` items (a larger unit: a chunk alone).
+
+    >>> pack([[0, 1], [2], [3, 4, 5], [6]], 3)
+    [[0, 1, 2], [3, 4, 5], [6]]
+    """
+    chunks: list[list[_Item]] = []
+    for unit in whole:
+        if chunks and len(chunks[-1]) + len(unit) <= size:
+            chunks[-1].extend(unit)
+        else:
+            chunks.append(list(unit))
     return chunks
 
 

@@ -36,9 +36,9 @@ class ChunkRunner:
     asked for a long wait, see `busy_s`, or not done just before the batch deadline, so that
     the results of its chunk-mates still reach the client in time) and `retryable` the
     positions worth another try. `stop()` names why no new call may start (the batch was
-    cancelled or its caller is gone; asked before each call), and `record(position, outcome)`
-    gets each final outcome as its call ends. Each call's tokens go to `ledger`, which also
-    refuses calls over the backend's budget (`over_budget` then says so).
+    cancelled or its caller is gone; asked before each call), and `record({position:
+    outcome})` gets each call's final outcomes together as it ends. Each call's tokens go to
+    `ledger`, which also refuses calls over the backend's budget (`over_budget` then says so).
     """
 
     def __init__(
@@ -50,7 +50,7 @@ class ChunkRunner:
         may_refuse: bool = True,
         deadline: float | None = None,
         stop: Callable[[], str | None] = lambda: None,
-        record: Callable[[int, Outcome], None] | None = None,
+        record: Callable[[dict[int, Outcome]], None] | None = None,
         ledger: Ledger | None = None,
         batch_id: str | None = None,
     ):
@@ -132,7 +132,8 @@ class ChunkRunner:
             except (Cancelled, BudgetExceeded) as exc:
                 result = exc
             except PermanentError as exc:
-                if len(positions) > 1:  # isolate the bad item: split, then each half on its own
+                if len(positions) > 1 and not self.path.client.grouped:
+                    # isolate the bad item: split, then each half on its own
                     half = len(positions) // 2
                     self._run_call(samples, positions[:half], None)
                     self._run_call(samples, positions[half:], None)
@@ -164,5 +165,4 @@ class ChunkRunner:
                     else Outcome(score, "ok", name, attempts, latency_ms, detail=detail)
                 )
         if self.record is not None and not isinstance(result, (RetryableError, Cancelled)):
-            for i in positions:
-                self.record(i, self.outcomes[i])  # type: ignore[arg-type]
+            self.record({i: o for i in positions if (o := self.outcomes[i]) is not None})

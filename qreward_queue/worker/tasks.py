@@ -74,7 +74,8 @@ def score_chunk(
         busy_s, circuit_open, attempt = None, True, max(attempt, config.retry.attempts)
     else:
         record = None if recorder is None else (
-            lambda k, outcome: recorder.record(indices[todo[k]], outcome.to_dict()))
+            lambda outcomes: recorder.record_all(
+                {indices[todo[k]]: o.to_dict() for k, o in outcomes.items()}))
         try:
             runner = ChunkRunner(
                 config, app.limiter(backend), breaker, attempt, bool(siblings), deadline,
