@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .errors import InvalidSamples, ScoringError
@@ -57,9 +57,13 @@ class Outcome:
                    error=f"{error}{note}", detail=error.detail)
 
     def placed(self, sample_id: Any, fallback_score: float) -> Outcome:
-        """This outcome as the trainer gets it: the sample's id, the fallback score on failure."""
-        return replace(self, id=sample_id,
-                       score=self.score if self.scored else fallback_score)
+        """This outcome as the trainer gets it: the sample's id, the fallback score on failure.
+        A copy field for field: its texts were redacted when it was made (`replace` would
+        redact them again, for every sample of a batch)."""
+        placed = object.__new__(Outcome)
+        placed.__dict__.update(vars(self), id=sample_id,
+                               score=self.score if self.scored else fallback_score)
+        return placed
 
     @property
     def reward(self) -> float:

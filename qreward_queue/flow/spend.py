@@ -98,6 +98,11 @@ class Ledger:
         self._held: dict[int, list[int]] = {}  # hour -> bookings to give back (tokens, cost)
         self._last = time.monotonic()
 
+    @property
+    def has_budget(self) -> bool:
+        """Whether calls book their estimate first (`book`): only under a `[budget]`."""
+        return self._book is not None
+
     def book(self, estimate: Usage) -> Booking | None:
         """Book a call's estimate against the budget; BudgetExceeded (naming the cap) when it
         would pass one. None without a budget."""

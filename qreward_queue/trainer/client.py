@@ -103,6 +103,7 @@ class RewardBatch:
             if outcome is not None:
                 self._place(i, outcome)
         self._pending: dict[str, Chunk] = {}
+        self._result_keys: dict[str, Any] = {}  # task id -> its result's key (built once)
         self._sentinel: str | None = None
         self._next_liveness_check = time.monotonic() + LIVENESS_CHECK_S
         self._unheld: set[str] = set()
@@ -263,6 +264,7 @@ class RewardBatch:
             return
         config = self.app.qrq_config
         messages = {uuid.uuid4().hex: chunk for chunk in chunks}
+        self._result_keys.update((t, self.app.backend.get_key_for_task(t)) for t in messages)
         self._pending.update(messages)  # unsent, they are found lost and sent again
         if not config.embedded and not self._sentinel:  # the first send: the lease begins
             self._sentinel = keys.batch_sentinel(self.batch_id)
@@ -354,6 +356,8 @@ class RewardBatch:
                      if meta["status"] in READY_STATES and t in self._pending]
         for task_id in collected:
             chunk = self._pending.pop(task_id)
+            if all(self._outcomes[i] is not None for i in chunk.indices):
+                continue  # usual: every sample came through the log before its chunk ended
             for i, outcome in zip(chunk.indices, _chunk_outcomes(chunk, metas[task_id]),
                                   strict=True):
                 self._arrive(i, outcome, fresh)
@@ -410,7 +414,7 @@ class RewardBatch:
 
     def _read_metas(self, pending: dict[str, Chunk]) -> dict[str, dict[str, Any]]:
         backend = self.app.backend
-        keys = {backend.get_key_for_task(i): i for i in pending}
+        keys = {self._result_keys[i]: i for i in pending}
         values = backend.mget(list(keys))
         if not isinstance(values, dict):  # Redis answers a list, the in-memory cache a dict
             values = dict(zip(keys, values, strict=True))

@@ -25,7 +25,6 @@ from ..errors import (
 )
 from ..flow.breaker import CircuitBreaker
 from ..flow.limiter import Grant, Limiter, Reading
-from ..flow.ratelimit_headers import Feedback
 from ..flow.spend import Booking, Ledger, Usage
 from ..ops import metrics
 
@@ -86,14 +85,15 @@ class CallPath:
             raise
         return grant
 
-    def _learn(self, grant: Grant | None, feedback: Feedback, failed: bool) -> Reading:
-        """Tell the limiter what the backend's kind read from the reply, and the breaker how
-        the call went; what the limiter made of it."""
+    def _learn(self, grant: Grant | None, result: Call | ScoringError, failed: bool) -> Reading:
+        """Tell the limiter what the backend's kind reads from the reply (read only when a
+        limiter is there to learn it), and the breaker how the call went; what the limiter
+        made of it."""
         reading = Reading()
         if grant is not None:
-            reading = grant.learn(feedback)
+            reading = grant.learn(self.client.feedback(result))
         elif self.limiter is not None:
-            reading = self.limiter.learn(feedback)
+            reading = self.limiter.learn(self.client.feedback(result))
         if self.breaker is not None:  # a 429 counts as alive: flow control handles it
             self.breaker.failure() if failed else self.breaker.success()
         return reading
@@ -120,7 +120,7 @@ class CallPath:
         stopped = self.stop()
         if stopped:
             raise Cancelled(stopped)
-        if self.ledger is None:
+        if self.ledger is None or not self.ledger.has_budget:  # no estimate to book
             return None
         try:
             return self.ledger.book(Usage.estimate(*self.client.estimate_usage(batch)))
@@ -139,8 +139,7 @@ class CallPath:
             self._spent(batch, None, booking, replied=200 <= (exc.status_code or 0) < 300)
             metrics.record_request(name, exc.status_code, time.monotonic() - started,
                                    "timeout" if exc.timed_out else "error")
-            reading = self._learn(grant, self.client.feedback(exc),
-                                  failed=isinstance(exc, TransientError))
+            reading = self._learn(grant, exc, failed=isinstance(exc, TransientError))
             if isinstance(exc, RateLimited):
                 exc.flow_control = reading.flow_control
             if reading.pause_s:  # the limiter holds everyone back: no wait of the caller's own
@@ -155,7 +154,7 @@ class CallPath:
         metrics.record_request(name, call.status_code, time.monotonic() - started)
         if self.observe is not None:
             self.observe(time.monotonic() - started)
-        self._learn(grant, self.client.feedback(call), failed=False)
+        self._learn(grant, call, failed=False)
         return call
 
     def _spent(self, batch: list[dict], call: Call | None, booking: Booking | None,
