@@ -721,39 +721,16 @@ _DEFAULTS = MockJudgeSettings()
 @click.option(
     "--max-concurrent", default=_DEFAULTS.max_concurrent, help="Requests in flight, 0 = no limit."
 )
-@click.option(
-    "--latency-ms",
-    type=float,
-    default=_DEFAULTS.latency_ms,
-    show_default=True,
-    help="Mean latency.",
-)
-@click.option(
-    "--latency-cv",
-    type=float,
-    default=_DEFAULTS.latency_cv,
-    show_default=True,
-    help="Coefficient of variation of the lognormal latency, 0 = constant.",
-)
-@click.option(
-    "--error-rate",
-    type=float,
-    default=_DEFAULTS.error_rate,
-    help="Fraction of admitted requests answered 500.",
-)
-@click.option(
-    "--hang-rate",
-    type=float,
-    default=_DEFAULTS.hang_rate,
-    help="Fraction of admitted requests that hang.",
-)
-@click.option(
-    "--hang-s",
-    type=float,
-    default=_DEFAULTS.hang_s,
-    show_default=True,
-    help="Seconds a hang lasts.",
-)
+@click.option("--latency-ms", type=float, default=_DEFAULTS.latency_ms, show_default=True,
+              help="Mean latency.")
+@click.option("--latency-cv", type=float, default=_DEFAULTS.latency_cv, show_default=True,
+              help="Coefficient of variation of the lognormal latency, 0 = constant.")
+@click.option("--error-rate", type=float, default=_DEFAULTS.error_rate,
+              help="Fraction of admitted requests answered 500.")
+@click.option("--hang-rate", type=float, default=_DEFAULTS.hang_rate,
+              help="Fraction of admitted requests that hang.")
+@click.option("--hang-s", type=float, default=_DEFAULTS.hang_s, show_default=True,
+              help="Seconds a hang lasts.")
 @click.option("--seed", default=_DEFAULTS.seed, show_default=True, help="Seed of the fault RNG.")
 @click.option("--group-reply", type=click.Choice(GROUP_REPLIES), default=_DEFAULTS.group_reply,
               show_default=True, help="How a group prompt's scores are written.")
