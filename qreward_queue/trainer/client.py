@@ -356,7 +356,10 @@ class RewardBatch:
                      if meta["status"] in READY_STATES and t in self._pending]
         for task_id in collected:
             chunk = self._pending.pop(task_id)
-            if all(self._outcomes[i] is not None for i in chunk.indices):
+            # an ensemble's vote positions lie past the samples (its ballot counts each vote once)
+            placed = all(i < len(self._outcomes) and self._outcomes[i] is not None
+                         for i in chunk.indices)
+            if placed:
                 continue  # usual: every sample came through the log before its chunk ended
             for i, outcome in zip(chunk.indices, _chunk_outcomes(chunk, metas[task_id]),
                                   strict=True):
