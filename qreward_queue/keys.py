@@ -73,13 +73,15 @@ def _tag(backend: str) -> str:
 
 
 def limiter(backend: str) -> dict[str, str]:
-    """The limiter's keys: bucket hash, leases zset, AIMD hash, recent-429 counter."""
+    """The limiter's keys: bucket hash, leases zset, AIMD hash, recent-429 counter, and the
+    list of released leases that callers waiting for one block on (one entry per release)."""
     tag = _tag(backend)
     return {
         "bucket": f"{tag}:bucket",
         "leases": f"{tag}:leases",
         "aimd": f"{tag}:aimd",
         "recent429": f"{tag}:recent429",
+        "released": f"{tag}:released",
     }
 
 

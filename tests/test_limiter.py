@@ -210,16 +210,38 @@ def test_bucket_expires_once_full_again(fake: fakeredis.FakeRedis) -> None:
 
 # --- leases --------------------------------------------------------------------------------
 
-def test_no_free_lease_polls_then_gives_up(fake: fakeredis.FakeRedis, sleeps: list[float]) -> None:
+def test_no_free_lease_polls_then_gives_up(fake: fakeredis.FakeRedis,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
     limiter = Limiter(fake, "b", max_concurrent=2)
+    blocks: list[float] = []
+    monkeypatch.setattr(fake, "blpop", lambda keys, timeout: blocks.append(timeout))
     with limiter.acquire(), limiter.acquire():
         with pytest.raises(LimiterBusy) as busy, limiter.acquire(max_wait_s=0.2):
             pass
         assert busy.value.reason == "lease"
-        assert sleeps and all(s <= 0.04 for s in sleeps)  # short, jittered polls
+        # short, jittered waits for a release (never 0: BLPOP's "for ever")
+        assert blocks and all(0 < s <= 0.04 for s in blocks)
         assert limiter.status()["leases_in_use"] == 2
     assert limiter.status()["leases_in_use"] == 0
     assert book(limiter) == 0.0
+
+
+def test_a_release_is_announced_to_waiters_and_stale_news_dropped(
+        fake: fakeredis.FakeRedis) -> None:
+    limiter = Limiter(fake, "b", max_concurrent=2)
+    released = "qrq:{b}:released"
+    first, second = limiter.reserve(2)
+    first.finish(200)
+    assert fake.llen(released) == 1  # a waiter anywhere wakes on it
+    (third,) = limiter.reserve(1)  # takes the freed lease: no lease left, the news is stale
+    assert fake.llen(released) == 0
+    second.finish(200)
+    third.finish(200)
+    assert fake.llen(released) == 2
+    assert 0 < fake.pttl(released) <= 1000
+    no_cap = Limiter(fake, "n")  # no max_concurrent: nobody waits for a lease, nothing said
+    no_cap.reserve(1)[0].finish(200)
+    assert not fake.exists("qrq:{n}:released")
 
 
 def test_lease_released_when_the_block_raises(fake: fakeredis.FakeRedis) -> None:

@@ -219,6 +219,32 @@ def _hold_lease(url: str, results) -> None:
         time.sleep(60)
 
 
+def test_a_lease_released_in_one_process_wakes_a_waiter_in_another(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given two workers' limiters sharing max_concurrent 1, the lease held by the first, and
+    # the second's waits for a release made 10 s long (a poll would take that long)
+    holder, waiter = (Limiter(redis.Redis.from_url(redis_url), "handoff", max_concurrent=1)
+                      for _ in range(2))
+    (held,) = holder.reserve(1)
+    monkeypatch.setattr("qreward_queue.flow.limiter.random.uniform", lambda a, b: 400.0)
+    granted = threading.Event()
+    blocking = threading.Event()
+    real_blpop = waiter._redis.blpop
+
+    def blpop(*args, **kwargs):
+        blocking.set()
+        return real_blpop(*args, **kwargs)
+
+    monkeypatch.setattr(waiter._redis, "blpop", blpop)
+    thread = threading.Thread(target=lambda: (waiter.reserve(1), granted.set()), daemon=True)
+    thread.start()
+    assert blocking.wait(10)
+    # When the first finishes its call, the second gets the lease at once, not a poll later
+    held.finish(200)
+    assert granted.wait(5)
+    thread.join(5)
+
+
 def test_lease_of_a_killed_process_lapses_after_its_ttl(redis_url: str) -> None:
     results = SPAWN.Queue()
     holder = SPAWN.Process(target=_hold_lease, args=(redis_url, results))

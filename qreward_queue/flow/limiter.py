@@ -37,12 +37,13 @@ log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 MAX_PENDING = 32  # finishes sent together at most
+MIN_BLOCK_S = 0.002  # the shortest wait for a released lease
 CORROBORATE = 3  # replies that must agree before a limit below the configured one is believed
 CLAIM_WINDOW_S = 60.0  # ... each within this long of the one before (or a 429 saying it)
 _SCRIPT_KEYS = {  # script -> the limiter keys it touches, in KEYS order
-    "acquire": ("bucket", "leases", "aimd"),
+    "acquire": ("bucket", "leases", "aimd", "released"),
     "checkpoint": ("bucket", "leases"),
-    "finish": ("bucket", "leases", "aimd", "recent429"),
+    "finish": ("bucket", "leases", "aimd", "recent429", "released"),
     "status": ("bucket", "leases", "aimd", "recent429"),
 }
 
@@ -198,14 +199,13 @@ class Limiter:
         finally:
             grant.finish()
 
-    def reserve(self, count: int, tokens: float = 0, max_wait_s: float = 30.0,
-                wake: threading.Event | None = None) -> list[Grant]:
+    def reserve(self, count: int, tokens: float = 0, max_wait_s: float = 30.0) -> list[Grant]:
         """Book up to ``count`` calls of ``tokens`` each in one round trip; at least one.
 
         Fewer come back when leases run out. Each grant must be waited (``grant.wait()``) and
-        finished (``grant.finish(...)``). Polls while no lease is free, at once when ``wake``
-        is set (a lease of this process was released); raises `LimiterBusy` when not even
-        one call could start within ``max_wait_s``.
+        finished (``grant.finish(...)``). While no lease is free it blocks until one is released
+        by any process (`_await_release`); raises `LimiterBusy` when not even one call could
+        start within ``max_wait_s``.
         """
         self.flush()  # leases this process released are free before it books more
         prefix = uuid.uuid4().hex
@@ -223,11 +223,15 @@ class Limiter:
             wait_s = reply["wait_ms"] / 1000
             if reply["reason"] != "lease" or time.monotonic() + wait_s > deadline:
                 raise LimiterBusy(wait_s, reply["reason"])
-            pause = wait_s * random.uniform(0.5, 1.5)
-            if wake is None:
-                time.sleep(pause)
-            elif wake.wait(pause):
-                wake.clear()
+            self._await_release(wait_s * random.uniform(0.5, 1.5))
+
+    def _await_release(self, timeout_s: float) -> None:
+        """Block until a lease is released anywhere (finish.lua pushes one entry per release),
+        or for `timeout_s` at most (a lease that lapsed is found by the next poll). A waiter
+        in another process then takes a freed lease within a round trip, not a poll later."""
+        # BLPOP's timeout is whole milliseconds, and 0 would block for ever
+        timeout_s = max(MIN_BLOCK_S, timeout_s)
+        self._retry(self._redis.blpop, [self._keys["released"]], timeout=round(timeout_s, 3))
 
     def feedback(self, status_code: int | None, headers: Mapping[str, str] | None = None,
                  timed_out: bool = False) -> Reading:
@@ -317,9 +321,7 @@ class Limiter:
             ) if value is not None and (value or name != "refund")}
             if entry:
                 call["told"][lim["name"]] = entry
-        if not (event or call["told"] or pause_s):  # nothing to learn: just release
-            if holders:
-                self._retry(self._redis.zrem, self._keys["leases"], *holders)
+        if not (holders or event or call["told"] or pause_s):  # nothing to learn or release
             return Reading()
         with self._lock:
             self._pending.append(call)

@@ -65,7 +65,6 @@ class CallPool:
 
     def __init__(self, config: Backend):
         self.sizing = CallSizing(config)
-        self.released = threading.Event()  # a call ended: its lease is free, poll again now
         self._free = threading.Condition()
         self._used = self._threads = 0
         self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -100,7 +99,6 @@ class CallPool:
         with self._free:
             self._used -= count
             self._free.notify(count)
-        self.released.set()
 
     def observe(self, latency_s: float) -> None:
         """One call's latency (the backend's reply time): it may resize the pool."""

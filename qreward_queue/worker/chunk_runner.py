@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -82,7 +81,7 @@ class ChunkRunner:
             tokens = max(client.estimate_tokens([samples[i] for i in calls[k]])
                          for k in range(slots)) if self.limiter else 0
             try:
-                grants = self._grants(slots, tokens, pool.released)
+                grants = self._grants(slots, tokens)
             except LimiterBusy as busy:
                 self.busy_s = busy.wait_s
                 pool.give(slots)
@@ -98,10 +97,10 @@ class ChunkRunner:
                 self.limiter.flush()  # finishes held back to be sent together go now
         return self
 
-    def _grants(self, count: int, tokens: float, wake: threading.Event) -> list[Grant | None]:
+    def _grants(self, count: int, tokens: float) -> list[Grant | None]:
         if self.limiter is None:
             return [None] * count
-        return list(self.limiter.reserve(count, tokens, MAX_LIMITER_WAIT_S, wake))
+        return list(self.limiter.reserve(count, tokens, MAX_LIMITER_WAIT_S))
 
     def _slot(self, pool: CallPool, samples: list[dict], positions: list[int],
               grant: Grant | None) -> None:

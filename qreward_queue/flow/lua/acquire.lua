@@ -1,6 +1,7 @@
 -- acquire.lua: grant up to `count` calls, each a concurrency lease plus every limit's cost, in
 -- one step; grants are booked one after another, so later ones may carry a longer wait.
--- KEYS[1] bucket hash, KEYS[2] leases zset (holder -> expiry ms), KEYS[3] aimd hash
+-- KEYS[1] bucket hash, KEYS[2] leases zset (holder -> expiry ms), KEYS[3] aimd hash,
+-- KEYS[4] released list (see finish.lua): emptied when no lease is left, its entries stale
 -- args: holder (id prefix; grant k holds `<holder>:<k>`), count, lease_ttl_ms, max_concurrent
 --   (0 = none), max_wait_ms, limits: [{name, cap, rate (per ms), cost (per call)}]
 -- Returns {waits: [ms per grant], shift} when at least one call was granted (sleep its wait,
@@ -55,6 +56,7 @@ for k = 1, args.count do
   waits[k], latest = wait, math.max(latest, wait)
 end
 
+if max_conc > 0 and held + #waits >= max_conc then redis.call('DEL', KEYS[4]) end
 if #waits == 0 then
   return cjson.encode({waits = {}, wait_ms = refusal.wait_ms, reason = refusal.reason})
 end

@@ -1,7 +1,8 @@
 -- finish.lua: everything after one or more calls, in one round trip: reconcile the booked
 -- token estimates, apply what the backend answered (header sync, a 429 pause, the AIMD
 -- controller) and release the calls' leases. Also used without a lease for plain feedback.
--- KEYS[1] bucket hash, KEYS[2] leases zset, KEYS[3] aimd hash, KEYS[4] recent-429 counter
+-- KEYS[1] bucket hash, KEYS[2] leases zset, KEYS[3] aimd hash, KEYS[4] recent-429 counter,
+-- KEYS[5] released list (one entry per lease released under max_concurrent: wakes a waiter)
 -- args: calls: [{holder (absent: no lease), event, told: {<limit name>: {refund (booked minus
 --   used; < 0 charges an overrun), remaining, limit_rate (per ms), reset_ms}}}] in the order
 --   they ended (the header fields are absent when a reply did not carry them); an event is
@@ -19,6 +20,7 @@ local NEAR_CUT = 0.75          -- a failure at this share of the last cut or mor
 local GENTLE_CUT = 0.1        -- a gentle cut takes this share (at least one call) off
 local FORGET_ABOVE = 1.25      -- climbing this far above the last cut forgets it
 local RECENT_429_S = 60
+local RELEASED_KEEP_MS = 1000  -- an unclaimed release is stale by then: acquire polls anyway
 local BOUNDED_KEEP_MS = 600000
 local bucket = KEYS[1]
 local now = now_ms()
@@ -30,7 +32,15 @@ local holders = {}
 for _, c in ipairs(args.calls) do
   if c.holder then holders[#holders + 1] = c.holder end
 end
-if #holders > 0 then redis.call('ZREM', KEYS[2], unpack(holders)) end
+if #holders > 0 then
+  local released = redis.call('ZREM', KEYS[2], unpack(holders))
+  if released > 0 and args.max_concurrent > 0 then
+    -- callers waiting for a lease block on this list (limiter.py `_await_release`)
+    for _ = 1, released do redis.call('LPUSH', KEYS[5], 1) end
+    redis.call('LTRIM', KEYS[5], 0, args.max_concurrent - 1)
+    redis.call('PEXPIRE', KEYS[5], RELEASED_KEEP_MS)
+  end
+end
 
 -- A header limit below the configured rate is a claim, not yet the rate: one reply's word cannot
 -- throttle a backend. It is believed (becomes the rate and scales the capacity) once
