@@ -186,14 +186,17 @@ def _start_heartbeat(sender, **_) -> None:
     app = sender.app
     if not isinstance(app, QrqCelery) or app.qrq_config.embedded:
         return
-    from .worker.call_pool import pool_sizes  # worker side only: a trainer's import does without it
+    # worker side only: a trainer's import does without them
+    from .worker.call_loop import loop_sizes
+    from .worker.call_pool import pool_sizes
 
     queues = list(app.amqp.queues.consume_from or {})  # also tells clients who serves a queue
 
     def beat() -> None:
         while True:
             with contextlib.suppress(redis.RedisError):  # Redis restarting: beat again later
-                liveness.beat(app.store, sender.hostname, queues, HEARTBEAT_TTL_S, pool_sizes())
+                liveness.beat(app.store, sender.hostname, queues, HEARTBEAT_TTL_S,
+                              {**pool_sizes(), **loop_sizes()})
             time.sleep(HEARTBEAT_S)
 
     threading.Thread(target=beat, daemon=True, name="qrq-heartbeat").start()

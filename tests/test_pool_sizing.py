@@ -76,4 +76,5 @@ def test_a_fresh_worker_is_connected_before_its_first_task_and_says_its_size(
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert (f"  j: j@sizing keeps {PROCESS_CALLS} calls in flight (no rpm or max_concurrent: "
-            f"{PROCESS_CALLS}, an asyncio client's usual)") in out.stdout.splitlines()
+            f"{PROCESS_CALLS}, an asyncio client's usual; on the call loop)"
+            ) in out.stdout.splitlines()

@@ -44,6 +44,9 @@ class BackendClient(ABC):
     # its calls run on the worker's own CPU, not on a server: one call per task in a pool of
     # processes (`[pool] concurrency`), no `[pool] calls` to size, no tokens spent
     runs_locally: ClassVar[bool] = False
+    # its calls only wait on a server (`call_async`): the worker's call loop runs many at
+    # once on one thread, where they need no thread each (see worker/call_loop.py)
+    awaitable: ClassVar[bool] = False
     default_chunk_size: ClassVar[int | None] = None  # samples per task when the file sets none
 
     def __init__(self, config: Backend):

@@ -5,7 +5,8 @@ The sockets and the reply parser live in `transport.py`, which only a call or a 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from abc import abstractmethod
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..errors import ScoringError
 from ..flow.ratelimit_headers import Feedback
@@ -18,8 +19,11 @@ if TYPE_CHECKING:
 
 
 class HttpBackend(BackendClient):
-    """A kind whose calls are POSTs to `[backend] url`: a kept-alive connection per thread, and
-    replies that teach the limiter by their status and rate-limit headers."""
+    """A kind whose calls are POSTs to `[backend] url`: a kept-alive connection per thread (or
+    on the worker's call loop), and replies that teach the limiter by their status and
+    rate-limit headers. A kind says what it sends (`request`) and reads (`answer`)."""
+
+    awaitable: ClassVar[bool] = True
 
     def __init__(self, config: Backend):
         super().__init__(config)
@@ -39,11 +43,31 @@ class HttpBackend(BackendClient):
 
         connect(self.endpoint, self.config.timeout_s)
 
-    def post(self, payload: dict) -> Reply:
-        """POST `payload` to the endpoint; the decoded 200 reply, or the error its status means."""
+    async def connect_async(self) -> None:
+        """Open one more kept-alive connection on the call loop ahead of its first call."""
+        from .transport import connect_async
+
+        await connect_async(self.endpoint, self.config.timeout_s)
+
+    def call(self, samples: list[dict]) -> Call:
         from .transport import post_json
 
-        return post_json(self.config, self.endpoint, payload)
+        return self.answer(samples, post_json(self.config, self.endpoint, self.request(samples)))
+
+    async def call_async(self, samples: list[dict]) -> Call:
+        from .transport import post_json_async
+
+        reply = await post_json_async(self.config, self.endpoint, self.request(samples))
+        return self.answer(samples, reply)
+
+    @abstractmethod
+    def request(self, samples: list[dict]) -> dict:
+        """The JSON body of the call that scores `samples`."""
+
+    @abstractmethod
+    def answer(self, samples: list[dict], reply: Reply) -> Call:
+        """The call's scores, from the decoded 200 reply (PermanentError naming what is wrong
+        with a reply that holds none)."""
 
     def feedback(self, result: Call | ScoringError) -> Feedback:
         """A 2xx answered, a 429 refused for rate; `x-ratelimit-*` and `Retry-After` say the

@@ -4,7 +4,7 @@ or with `mode = "group"` one GRPO group per call (groups.py: the wire format).""
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import groups
 from ..errors import ConfigError, PermanentError, ScoringError
@@ -12,6 +12,9 @@ from ..settings import DEFAULT_SCORE_PATTERN, DEFAULT_TEMPLATE, Backend
 from ..toml_table import Table
 from .base import Call, checked_score, read_score_range, usage_split, usage_tokens
 from .http import HttpBackend
+
+if TYPE_CHECKING:
+    from .transport import Reply
 
 SCORE_MATCHES = ("unique", "first", "last")
 MODES = ("sample", "group")
@@ -107,7 +110,7 @@ class JudgeBackend(HttpBackend):
         chars = sum(len(m["content"]) for call in calls for m in self.call_messages(call))
         return chars / 4, float(self.config.max_tokens * len(samples))
 
-    def call(self, samples: list[dict]) -> Call:
+    def request(self, samples: list[dict]) -> dict:
         payload = {
             "model": self.config.model,
             "messages": self.call_messages(samples),
@@ -118,7 +121,9 @@ class JudgeBackend(HttpBackend):
         vote = samples[0].get("vote") if len(samples) == 1 else None
         if vote and "temperature" in vote:  # an ensemble's judge asked again: another draw
             payload.update(temperature=vote["temperature"], seed=vote["index"])
-        reply = self.post(payload)
+        return payload
+
+    def answer(self, samples: list[dict], reply: Reply) -> Call:
         facts: dict[str, Any] = {"status_code": reply.status_code, "headers": reply.headers}
         try:
             content = reply.body["choices"][0]["message"]["content"]

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import PermanentError
 from ..settings import Backend
 from ..toml_table import Table
 from .base import Call, checked_score, read_score_range, usage_split, usage_tokens
 from .http import HttpBackend
+
+if TYPE_CHECKING:
+    from .transport import Reply
 
 
 class RewardModelBackend(HttpBackend):
@@ -27,13 +30,15 @@ class RewardModelBackend(HttpBackend):
     def samples_per_call(self) -> int:
         return self.config.batch_size
 
-    def call(self, samples: list[dict]) -> Call:
+    def request(self, samples: list[dict]) -> dict:
         payload: dict = {
             "items": [{"prompt": s["prompt"], "response": s["response"]} for s in samples]
         }
         if self.config.model:
             payload["model"] = self.config.model
-        reply = self.post(payload)
+        return payload
+
+    def answer(self, samples: list[dict], reply: Reply) -> Call:
         facts: dict[str, Any] = {"status_code": reply.status_code, "headers": reply.headers}
         scores = reply.body.get("scores") if isinstance(reply.body, dict) else None
         if not isinstance(scores, list) or len(scores) != len(samples):

@@ -17,6 +17,7 @@ in total, however slowly the server trickles its reply.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -39,11 +40,13 @@ from ..settings import Backend
 MAX_REPLY_BYTES = 8 << 20
 CONNECT_TIMEOUT_S = 5.0
 _local = threading.local()
+_idle: dict[_Server, list[_Connection]] = {}  # the call loop's kept-alive connections
 
 
 def _forget_sockets() -> None:
     global _local
     _local = threading.local()  # a forked child must not share its parent's sockets
+    _idle.clear()
 
 
 os.register_at_fork(after_in_child=_forget_sockets)
@@ -119,10 +122,69 @@ def connect(url: str, timeout_s: float) -> None:
             _kept()[server] = _take_socket(server, timeout_s)[0]
 
 
+async def connect_async(url: str, timeout_s: float) -> None:
+    """`connect` for the call loop: one more kept-alive connection to `url`'s server."""
+    server = _server(url)
+    with contextlib.suppress(TransientError):
+        _idle.setdefault(server, []).append(await _connect_async(server, timeout_s))
+
+
 def post_json(config: Backend, url: str, payload: dict) -> Reply:
     """POST `payload`; return the decoded 200 reply or raise the error its status means."""
+    server, request = _request(config, url, payload)
+    deadline = time.monotonic() + config.timeout_s
+    while True:
+        sock, reused = _take_socket(server, config.timeout_s)
+        try:
+            resp = _exchange(sock, request, deadline)
+        except BaseException as exc:
+            sock.close()
+            if (error := _exchange_error(server, config, exc, reused)) is None:
+                continue
+            if error is exc:
+                raise
+            raise error from None
+        if not resp.keep_alive:
+            sock.close()
+        else:
+            _kept()[server] = sock
+        return _reply(config, server, resp)
+
+
+async def post_json_async(config: Backend, url: str, payload: dict) -> Reply:
+    """`post_json` on the running event loop (the worker's call loop): the same request,
+    errors and reply, over the loop's kept-alive connections."""
+    server, request = _request(config, url, payload)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + config.timeout_s
+    idle = _idle.setdefault(server, [])
+    while True:
+        conn = None
+        while idle and conn is None:
+            conn = idle.pop()
+            conn = None if conn.closed else conn  # the server closed it while it was idle
+        reused = conn is not None
+        if conn is None:
+            conn = await _connect_async(server, deadline - loop.time())
+        try:
+            resp = await conn.exchange(request, deadline - loop.time())
+        except BaseException as exc:
+            conn.close()
+            if (error := _exchange_error(server, config, exc, reused)) is None:
+                continue
+            if error is exc:
+                raise
+            raise error from None
+        if not resp.keep_alive:
+            conn.close()
+        else:
+            idle.append(conn)
+        return _reply(config, server, resp)
+
+
+def _request(config: Backend, url: str, payload: dict) -> tuple[_Server, bytes]:
+    """Where the request goes, and its bytes: head and body, sent in one write."""
     server = _server(url)
-    where = server.where
     extra = ""
     if config.api_key_env:
         key = config.api_key()
@@ -136,33 +198,26 @@ def post_json(config: Backend, url: str, payload: dict) -> Reply:
                                  f"backend {config.name!r}) holds a line break")
         extra = f"Authorization: Bearer {key}\r\n"
     body = json.dumps(payload).encode()
-    request = f"{server.head}{extra}Content-Length: {len(body)}\r\n\r\n".encode() + body
-    deadline = time.monotonic() + config.timeout_s
-    while True:
-        sock, reused = _take_socket(server, config.timeout_s)
-        try:
-            resp = _exchange(sock, request, deadline)
-        except (_Unanswered, ConnectionResetError, BrokenPipeError) as exc:
-            sock.close()
-            if reused:  # the server had closed it while it was idle: once more, on a new one
-                continue
-            raise _failed(server, exc) from None
-        except TimeoutError:
-            sock.close()
-            raise TransientError(
-                f"no reply from {where} within {config.timeout_s:g} s", timed_out=True
-            ) from None
-        except (httptools.HttpParserError, _Incomplete, OSError) as exc:
-            sock.close()
-            raise _failed(server, exc) from None
-        except BaseException:
-            sock.close()
-            raise
-        if not resp.keep_alive:
-            sock.close()
-        else:
-            _kept()[server] = sock
-        break
+    return server, f"{server.head}{extra}Content-Length: {len(body)}\r\n\r\n".encode() + body
+
+
+def _exchange_error(server: _Server, config: Backend, exc: BaseException, reused: bool
+                    ) -> BaseException | None:
+    """What a failed exchange raises (naming the server, never the URL's credentials); None:
+    the kept-alive connection had been closed by the server while idle, try a new one."""
+    if isinstance(exc, (_Unanswered, ConnectionResetError, BrokenPipeError)) and reused:
+        return None
+    if isinstance(exc, TimeoutError):
+        return TransientError(f"no reply from {server.where} within {config.timeout_s:g} s",
+                              timed_out=True)
+    if isinstance(exc, (httptools.HttpParserError, OSError)):  # refused, reset, cut short...
+        return _failed(server, exc)
+    return exc
+
+
+def _reply(config: Backend, server: _Server, resp: _Response) -> Reply:
+    """The decoded 200 reply, or the error its status (or its body) means."""
+    where = server.where
     raw, reply_headers = resp.body, resp.headers
     facts: dict[str, Any] = {"status_code": resp.status, "headers": reply_headers}
     text = raw[:500].decode("utf-8", "replace")
@@ -230,6 +285,17 @@ class _Response:
     def on_message_complete(self) -> None:
         self.complete = True
 
+    def closed(self, received: int) -> None:
+        """The server closed the connection after `received` bytes of this reply: complete if
+        its body ends where the connection does, else the error saying how it was cut."""
+        if not received:
+            raise _Unanswered("RemoteDisconnected")
+        if self.headers_done and "content-length" not in self.headers \
+                and "transfer-encoding" not in self.headers:
+            self.complete, self.keep_alive = True, False  # a body that ends with the connection
+            return
+        raise _Incomplete("IncompleteRead")
+
 
 def _exchange(sock: socket.socket, request: bytes, deadline: float) -> _Response:
     """Send `request` in one write; read the whole reply by `deadline`, however it trickles.
@@ -245,16 +311,91 @@ def _exchange(sock: socket.socket, request: bytes, deadline: float) -> _Response
             sock.settimeout(left)
         data = sock.recv(65536)
         if not data:
-            if not received:
-                raise _Unanswered("RemoteDisconnected")
-            if resp.headers_done and "content-length" not in resp.headers \
-                    and "transfer-encoding" not in resp.headers:
-                break  # a body that ends where the connection does
-            raise _Incomplete("IncompleteRead")
+            resp.closed(received)
+            break
         received += len(data)
         resp.parser.feed_data(data)
     resp.keep_alive = resp.keep_alive and resp.complete
     return resp
+
+
+async def _connect_async(server: _Server, timeout_s: float) -> _Connection:
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout(min(CONNECT_TIMEOUT_S, max(0.001, timeout_s))):
+            _, conn = await loop.create_connection(  # TCP_NODELAY is asyncio's default
+                _Connection, server.host, server.port, ssl=_tls() if server.tls else None)
+    except OSError as exc:  # refused, unreachable, unknown host, no handshake, TLS, timeout
+        raise _failed(server, exc) from None
+    return conn
+
+
+class _Connection(asyncio.Protocol):
+    """One kept-alive connection of the call loop, one exchange at a time (as `_exchange`):
+    the request in one write, the reply fed to httptools as it arrives, all by a deadline."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self._resp = _Response()
+        self._received = 0
+        self._waiter: asyncio.Future[_Response] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def exchange(self, request: bytes, timeout_s: float) -> asyncio.Future[_Response]:
+        loop = asyncio.get_running_loop()
+        self._resp, self._received = _Response(), 0
+        self._waiter = loop.create_future()
+        self._timer = loop.call_later(max(0.001, timeout_s), self._end, TimeoutError())
+        assert self.transport is not None
+        self.transport.write(request)
+        return self._waiter
+
+    def data_received(self, data: bytes) -> None:
+        if self._waiter is None:  # bytes nobody asked for: the connection is not kept
+            self.close()
+            return
+        resp = self._resp
+        self._received += len(data)
+        try:
+            resp.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._end(exc)
+            return
+        if resp.complete or resp.size > MAX_REPLY_BYTES:  # read no further past the bound
+            resp.keep_alive = resp.keep_alive and resp.complete
+            self._end(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self._waiter is None:  # closed while idle: the next exchange takes a new one
+            return
+        try:
+            self._resp.closed(self._received)
+        except ConnectionError as error:
+            self._end(error)
+        else:
+            self._end(None)
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def _end(self, error: BaseException | None) -> None:
+        """The exchange is over: its reply, or `error`."""
+        waiter, self._waiter = self._waiter, None
+        if self._timer is not None:
+            self._timer.cancel()
+        if waiter is None or waiter.done():
+            return
+        if error is None:
+            waiter.set_result(self._resp)
+        else:
+            waiter.set_exception(error)
 
 
 def _reason(exc: BaseException) -> str:

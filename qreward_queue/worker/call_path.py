@@ -131,31 +131,54 @@ class CallPath:
     # -- transport -------------------------------------------------------------------------
 
     def _transport(self, batch: list[dict], grant: Grant | None, booking: Booking | None) -> Call:
-        name = self.config.name
         started = time.monotonic()
         try:
             call = self.client.call(batch)
-        except ScoringError as exc:
-            self._spent(batch, None, booking, replied=200 <= (exc.status_code or 0) < 300)
-            metrics.record_request(name, exc.status_code, time.monotonic() - started,
-                                   "timeout" if exc.timed_out else "error")
-            reading = self._learn(grant, exc, failed=isinstance(exc, TransientError))
-            if isinstance(exc, RateLimited):
-                exc.flow_control = reading.flow_control
-            if reading.pause_s:  # the limiter holds everyone back: no wait of the caller's own
-                exc.retry_after_s = 0.0
+        except BaseException as exc:
+            self._failed(batch, grant, booking, exc, started)
             raise
-        except BaseException:
+        return self._answered(batch, grant, booking, call, started)
+
+    async def call_async(self, batch: list[dict]) -> Call:
+        """`call` on the worker's call loop, for a kind whose calls only wait on a server
+        (`awaitable`) and a backend with no limiter: no layer but the transport waits."""
+        self._breaker_admits(None)
+        booking = self._cleared(batch, None)
+        started = time.monotonic()
+        try:
+            call = await self.client.call_async(batch)
+        except BaseException as exc:
+            self._failed(batch, None, booking, exc, started)
+            raise
+        return self._answered(batch, None, booking, call, started)
+
+    def _answered(self, batch: list[dict], grant: Grant | None, booking: Booking | None,
+                  call: Call, started: float) -> Call:
+        self._spent(batch, call, booking, replied=True)
+        latency_s = time.monotonic() - started
+        metrics.record_request(self.config.name, call.status_code, latency_s)
+        if self.observe is not None:
+            self.observe(latency_s)
+        self._learn(grant, call, failed=False)
+        return call
+
+    def _failed(self, batch: list[dict], grant: Grant | None, booking: Booking | None,
+                exc: BaseException, started: float) -> None:
+        """Account for a call that raised `exc` (re-raised by the caller): a ScoringError's
+        reply is learned from, and its RateLimited told whether the limiter paced it."""
+        if not isinstance(exc, ScoringError):
             self._spent(batch, None, booking, replied=False)
             if grant is not None:
                 grant.finish()
-            raise
-        self._spent(batch, call, booking, replied=True)
-        metrics.record_request(name, call.status_code, time.monotonic() - started)
-        if self.observe is not None:
-            self.observe(time.monotonic() - started)
-        self._learn(grant, call, failed=False)
-        return call
+            return
+        self._spent(batch, None, booking, replied=200 <= (exc.status_code or 0) < 300)
+        metrics.record_request(self.config.name, exc.status_code, time.monotonic() - started,
+                               "timeout" if exc.timed_out else "error")
+        reading = self._learn(grant, exc, failed=isinstance(exc, TransientError))
+        if isinstance(exc, RateLimited):
+            exc.flow_control = reading.flow_control
+        if reading.pause_s:  # the limiter holds everyone back: no wait of the caller's own
+            exc.retry_after_s = 0.0
 
     def _spent(self, batch: list[dict], call: Call | None, booking: Booking | None,
                replied: bool) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import deque
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from ..flow.breaker import CircuitBreaker
 from ..flow.limiter import Grant, Limiter
 from ..flow.spend import Ledger
 from ..samples import Outcome
+from .call_loop import call_loop, runs_on_loop
 from .call_path import MAX_LIMITER_WAIT_S, CallPath
 from .call_pool import CallPool, InFlight, call_pool
 from .retry import RetryPolicy, Tries, time_left_s
@@ -73,10 +75,13 @@ class ChunkRunner:
         if len(calls) == 1:  # one call (a function chunk, one batch): no thread hop
             self._run_call(samples, calls[0], None)
             return self
+        if runs_on_loop(self.config, self.limiter):
+            call_loop().run(self._run_on_loop(samples, list(calls)), time_left_s(self.deadline))
+            return self
         pool = call_pool(self.config)
         self.path.observe = pool.observe
         running = InFlight()
-        while calls and self.busy_s is None and not self._past_deadline() and not self.stop():
+        while calls and not self._halted() and not self.stop():
             slots = pool.take(len(calls))
             tokens = max(client.estimate_tokens([samples[i] for i in calls[k]])
                          for k in range(slots)) if self.limiter else 0
@@ -109,14 +114,49 @@ class ChunkRunner:
         finally:
             pool.give()
 
+    async def _run_on_loop(self, samples: list[dict], calls: list[list[int]]) -> None:
+        """Each call on the call loop, as many at once as its gate lets through; a call that
+        must wait (a 429's Retry-After) or be split goes on on a thread of its own."""
+        gate = call_loop().gate(self.config)
+
+        async def one(positions: list[int]) -> None:
+            async with gate:
+                if self._halted():
+                    return
+                batch = [samples[i] for i in positions]
+                started = time.monotonic()
+                try:
+                    result: Call | ScoringError = await self.path.call_async(batch)
+                except (RateLimited, PermanentError) as exc:
+                    if isinstance(exc, RateLimited) or (len(positions) > 1
+                                                        and not self.path.client.grouped):
+                        await asyncio.to_thread(self._run_call, samples, positions, None, exc)
+                        return
+                    result = exc
+                except ScoringError as exc:
+                    result = exc
+                self._settle(positions, result, self.attempt, _ms_since(started))
+
+        await asyncio.gather(*(one(positions) for positions in calls))
+
+    def _halted(self) -> bool:
+        """No call of the chunk starts past its deadline or after a long limiter wait."""
+        return self.busy_s is not None or self._past_deadline()
+
     def _past_deadline(self) -> bool:
         return time_left_s(self.deadline) == 0.0
 
-    def _run_call(self, samples: list[dict], positions: list[int], grant: Grant | None) -> None:
+    def _run_call(self, samples: list[dict], positions: list[int], grant: Grant | None,
+                  first: ScoringError | None = None) -> None:
+        """Make the call, again after a 429 while it may; `first`: how its first try (on the
+        call loop) ended."""
         batch = [samples[i] for i in positions]
         started, tries = time.monotonic(), Tries(self.attempt)
         while True:
             try:
+                if first is not None:
+                    error, first = first, None
+                    raise error
                 call = self.path.call(batch, grant)
             except LimiterBusy as busy:  # a retry could not start soon: leave it for later
                 self.busy_s = busy.wait_s
@@ -143,8 +183,7 @@ class ChunkRunner:
             else:
                 result = call
             break
-        latency_ms = round((time.monotonic() - started) * 1000, 1)
-        self._settle(positions, result, tries.attempt, latency_ms)
+        self._settle(positions, result, tries.attempt, _ms_since(started))
 
     def _settle(self, positions: list[int], result: Call | ScoringError, attempts: int,
                 latency_ms: float) -> None:
@@ -165,3 +204,7 @@ class ChunkRunner:
                 )
         if self.record is not None and not isinstance(result, (RetryableError, Cancelled)):
             self.record({i: o for i in positions if (o := self.outcomes[i]) is not None})
+
+
+def _ms_since(started: float) -> float:
+    return round((time.monotonic() - started) * 1000, 1)

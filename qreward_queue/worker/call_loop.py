@@ -1,0 +1,101 @@
+"""The process's call loop: one thread running an asyncio event loop, on which the calls of
+backends with no limiter and an `awaitable` kind (the HTTP kinds) run, many at once.
+
+Why: a call on the call pool is a thread that sleeps in `recv` and wakes for the reply; at a
+few thousand calls a second the switches between threads (and their fight for the GIL) cost
+more CPU than the calls, and that CPU is taken from the judge on the same machine. On one
+loop a reply costs no thread switch, and replies that arrive together are read together.
+A backend under the global limiter keeps the call pool: its layers block on Redis (grants,
+waits for a lease) and on sleeps (a booked start, a 429's wait).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import threading
+from collections.abc import Coroutine
+from typing import Any
+
+from ..backends import make_backend
+from ..config import MAX_PROCESS_CALLS, Backend
+from ..flow.limiter import Limiter
+from .call_pool import CallSizing
+
+
+class CallLoop:
+    """The event loop thread, and per backend the gate that holds its calls in flight to
+    `[pool] calls` (PROCESS_CALLS unless the file sets it), as the call pool's threads do."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        # the threads of calls that must wait (a 429's Retry-After) or be split: made as needed
+        self.loop.set_default_executor(
+            concurrent.futures.ThreadPoolExecutor(MAX_PROCESS_CALLS, "qrq-call-wait"))
+        self._gates: dict[str, asyncio.Semaphore] = {}
+        self._sizes: dict[str, CallSizing] = {}
+        threading.Thread(target=self.loop.run_forever, name="qrq-call-loop", daemon=True).start()
+
+    def run(self, coro: Coroutine[Any, Any, None], timeout: float | None) -> None:
+        """Run `coro` on the loop and wait for it, `timeout` at most (it goes on after that:
+        calls past a deadline are left to the retry policy); a bug in it is raised here."""
+        done = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            done.result(timeout)
+        except concurrent.futures.TimeoutError:
+            return
+
+    def gate(self, config: Backend) -> asyncio.Semaphore:
+        """The backend's calls in flight from this process (used on the loop only)."""
+        if config.name not in self._gates:
+            self._sizes[config.name] = sizing = CallSizing(config)
+            self._gates[config.name] = asyncio.Semaphore(sizing.size)
+        return self._gates[config.name]
+
+    def sizes(self) -> dict[str, dict]:
+        """Calls in flight per backend on the loop and why (shown by `qrq status`)."""
+        return {name: {"calls": s.size, "why": f"{s.why}; on the call loop"}
+                for name, s in list(self._sizes.items())}
+
+    def connect(self, config: Backend) -> None:
+        """Open the backend's kept-alive connections before the first task, as many as it may
+        have calls in flight (a failure is left for the first call to meet)."""
+
+        async def open_all() -> None:
+            client = make_backend(config)
+            self.gate(config)
+            count = self._sizes[config.name].size
+            await asyncio.gather(*(client.connect_async() for _ in range(count)))
+
+        self.run(open_all(), timeout=None)
+
+
+_loop: CallLoop | None = None
+_loop_lock = threading.Lock()
+
+
+def _forget_loop() -> None:
+    global _loop
+    _loop = None  # the parent's loop thread does not exist in a forked child
+
+
+os.register_at_fork(after_in_child=_forget_loop)
+
+
+def call_loop() -> CallLoop:
+    global _loop
+    with _loop_lock:
+        if _loop is None:
+            _loop = CallLoop()
+        return _loop
+
+
+def runs_on_loop(config: Backend, limiter: Limiter | None) -> bool:
+    """Whether a backend's calls run on the call loop (else on the call pool's threads)."""
+    return make_backend(config).awaitable and limiter is None
+
+
+def loop_sizes() -> dict[str, dict]:
+    """This process's calls in flight per backend on the loop, if it has one."""
+    return {} if _loop is None else _loop.sizes()
