@@ -18,10 +18,20 @@ import redis
 from support import PrivateRedis, Worker, free_port, judge_backend, wait_for, write_config
 
 import qreward_queue
-from qreward_queue.backends.transport import post_json
+from qreward_queue.backends.transport import post_json, post_json_async
 from qreward_queue.config import Backend
 from qreward_queue.errors import PermanentError, RedisUnreachable, TransientError
 from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn
+from qreward_queue.worker.call_loop import call_loop
+
+
+@pytest.fixture(params=["pool thread", "call loop"])
+def post(request):
+    """The transport as a call pool's thread uses it, and as the worker's call loop does."""
+    if request.param == "pool thread":
+        return post_json
+    return lambda config, url, payload: call_loop().run(post_json_async(config, url, payload),
+                                                        None)
 
 
 class RawServer:
@@ -60,7 +70,7 @@ def judge(url: str, timeout_s: float = 2.0) -> Backend:
     return Backend(name="hostile", kind="judge", url=url, model="m", timeout_s=timeout_s)
 
 
-def test_a_trickling_reply_ends_at_the_calls_total_time_limit():
+def test_a_trickling_reply_ends_at_the_calls_total_time_limit(post):
     stop = threading.Event()
 
     def trickle(conn: socket.socket) -> None:  # valid headers, then a byte a second
@@ -73,7 +83,7 @@ def test_a_trickling_reply_ends_at_the_calls_total_time_limit():
     try:
         started = time.monotonic()
         with pytest.raises(TransientError) as caught:
-            post_json(judge(f"http://127.0.0.1:{server.port}/v1"),
+            post(judge(f"http://127.0.0.1:{server.port}/v1"),
                       f"http://127.0.0.1:{server.port}/v1/chat/completions", {"x": 1})
         elapsed = time.monotonic() - started
     finally:
@@ -88,32 +98,32 @@ OK_REPLY = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Lengt
             b'{"x": 1}')
 
 
-def calls_to(server: RawServer, n: int) -> int:
-    """Make `n` calls to `server` from this thread, check each reply; the connections used."""
+def calls_to(post, server: RawServer, n: int) -> int:
+    """Make `n` calls to `server` one after another, check each reply; the connections used."""
     url = f"http://127.0.0.1:{server.port}/v1"
     try:
-        replies = [post_json(judge(url), f"{url}/chat/completions", {"x": 1}) for _ in range(n)]
+        replies = [post(judge(url), f"{url}/chat/completions", {"x": 1}) for _ in range(n)]
     finally:
         server.close()
     assert [r.body for r in replies] == [{"x": 1}] * n
     return server.connections
 
 
-def test_calls_from_one_thread_share_one_kept_alive_connection():
+def test_calls_from_one_thread_share_one_kept_alive_connection(post):
     def answer_every_request(conn: socket.socket) -> None:
         conn.sendall(OK_REPLY)
         while conn.recv(65536):
             conn.sendall(OK_REPLY)
 
-    assert calls_to(RawServer(answer_every_request), 5) == 1  # connection for 5 calls
+    assert calls_to(post, RawServer(answer_every_request), 5) == 1  # connection for 5 calls
 
 
-def test_a_kept_alive_connection_the_server_closed_while_idle_is_replaced():
+def test_a_kept_alive_connection_the_server_closed_while_idle_is_replaced(post):
     server = RawServer(lambda conn: conn.sendall(OK_REPLY))  # then closes, saying nothing
-    assert calls_to(server, 3) == 3
+    assert calls_to(post, server, 3) == 3
 
 
-def test_a_kept_alive_connection_closed_as_the_request_arrives_is_retried_once_fresh():
+def test_a_kept_alive_connection_closed_as_the_request_arrives_is_retried_once_fresh(post):
     def answer_one_then_drop_the_next(conn: socket.socket) -> None:
         conn.sendall(OK_REPLY)
         conn.recv(65536)  # the second request on this connection: closed unanswered
@@ -121,28 +131,28 @@ def test_a_kept_alive_connection_closed_as_the_request_arrives_is_retried_once_f
     server = RawServer(answer_one_then_drop_the_next)
     url = f"http://127.0.0.1:{server.port}/v1"
     try:
-        first = post_json(judge(url), f"{url}/chat/completions", {"x": 1})
+        first = post(judge(url), f"{url}/chat/completions", {"x": 1})
         time.sleep(0.2)  # the connection is idle and still open when the second call starts
-        second = post_json(judge(url), f"{url}/chat/completions", {"x": 2})
+        second = post(judge(url), f"{url}/chat/completions", {"x": 2})
     finally:
         server.close()
     assert first.body == second.body == {"x": 1}
     assert server.connections == 2
 
 
-def test_a_fresh_connection_closed_unanswered_is_a_transient_error_not_a_retry():
+def test_a_fresh_connection_closed_unanswered_is_a_transient_error_not_a_retry(post):
     server = RawServer(lambda conn: None)  # reads the request, closes without a word
     url = f"http://127.0.0.1:{server.port}/v1"
     try:
         with pytest.raises(TransientError) as caught:
-            post_json(judge(url), f"{url}/chat/completions", {"x": 1})
+            post(judge(url), f"{url}/chat/completions", {"x": 1})
     finally:
         server.close()
     assert f"connection to {url}/chat/completions failed: RemoteDisconnected" in str(caught.value)
     assert server.connections == 1
 
 
-def test_an_api_key_with_a_line_break_is_refused_before_anything_is_sent(monkeypatch):
+def test_an_api_key_with_a_line_break_is_refused_before_anything_is_sent(post, monkeypatch):
     server = RawServer(lambda conn: conn.sendall(OK_REPLY))
     url = f"http://127.0.0.1:{server.port}/v1"
     monkeypatch.setenv("QRQ_TEST_INJECTED_KEY", "sk-1\r\nX-Evil: 1")
@@ -150,7 +160,7 @@ def test_an_api_key_with_a_line_break_is_refused_before_anything_is_sent(monkeyp
                       api_key_env="QRQ_TEST_INJECTED_KEY")
     try:
         with pytest.raises(PermanentError) as caught:
-            post_json(backend, f"{url}/chat/completions", {"x": 1})
+            post(backend, f"{url}/chat/completions", {"x": 1})
     finally:
         server.close()
     assert "QRQ_TEST_INJECTED_KEY" in str(caught.value) and "line break" in str(caught.value)
@@ -158,14 +168,14 @@ def test_an_api_key_with_a_line_break_is_refused_before_anything_is_sent(monkeyp
 
 
 @pytest.mark.parametrize("code", [301, 302, 307, 308])
-def test_a_redirect_is_an_error_naming_where_it_pointed_and_is_not_followed(code):
+def test_a_redirect_is_an_error_naming_where_it_pointed_and_is_not_followed(post, code):
     elsewhere = RawServer(lambda conn: conn.sendall(b"HTTP/1.1 200 OK\r\n\r\n"))
     target = f"http://user:pw@127.0.0.1:{elsewhere.port}/steal"
     server = RawServer(lambda conn: conn.sendall(
         f"HTTP/1.1 {code} Moved\r\nLocation: {target}\r\nContent-Length: 0\r\n\r\n".encode()))
     try:
         with pytest.raises(PermanentError) as caught:
-            post_json(judge(f"http://127.0.0.1:{server.port}/v1"),
+            post(judge(f"http://127.0.0.1:{server.port}/v1"),
                       f"http://127.0.0.1:{server.port}/v1/chat/completions",
                       {"messages": [{"role": "user", "content": "the prompt"}]})
     finally:

@@ -107,6 +107,14 @@ class BackendClient(ABC):
     def call(self, samples: list[dict]) -> Call:
         """Score `samples` in one call; raise a ScoringError when the whole call failed."""
 
+    async def call_async(self, samples: list[dict]) -> Call:
+        """`call` on the worker's call loop: an `awaitable` kind's only."""
+        raise NotImplementedError(f"calls of kind {self.config.kind!r} do not run on a loop")
+
+    async def connect_async(self) -> None:
+        """`connect` on the worker's call loop: one more kept-alive connection."""
+        return None
+
 
 def read_score_range(t: Table, default: tuple[float, float] | None
                      ) -> tuple[float, float] | None:

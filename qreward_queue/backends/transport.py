@@ -321,11 +321,11 @@ def _exchange(sock: socket.socket, request: bytes, deadline: float) -> _Response
 
 async def _connect_async(server: _Server, timeout_s: float) -> _Connection:
     loop = asyncio.get_running_loop()
+    connecting = loop.create_connection(  # TCP_NODELAY is asyncio's default
+        _Connection, server.host, server.port, ssl=_tls() if server.tls else None)
     try:
-        async with asyncio.timeout(min(CONNECT_TIMEOUT_S, max(0.001, timeout_s))):
-            _, conn = await loop.create_connection(  # TCP_NODELAY is asyncio's default
-                _Connection, server.host, server.port, ssl=_tls() if server.tls else None)
-    except OSError as exc:  # refused, unreachable, unknown host, no handshake, TLS, timeout
+        _, conn = await asyncio.wait_for(connecting, min(CONNECT_TIMEOUT_S, max(0.001, timeout_s)))
+    except (OSError, asyncio.TimeoutError) as exc:  # refused, unreachable, no handshake, TLS...
         raise _failed(server, exc) from None
     return conn
 

@@ -16,12 +16,14 @@ import concurrent.futures
 import os
 import threading
 from collections.abc import Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 from ..backends import make_backend
 from ..config import MAX_PROCESS_CALLS, Backend
 from ..flow.limiter import Limiter
 from .call_pool import CallSizing
+
+_T = TypeVar("_T")
 
 
 class CallLoop:
@@ -37,14 +39,15 @@ class CallLoop:
         self._sizes: dict[str, CallSizing] = {}
         threading.Thread(target=self.loop.run_forever, name="qrq-call-loop", daemon=True).start()
 
-    def run(self, coro: Coroutine[Any, Any, None], timeout: float | None) -> None:
-        """Run `coro` on the loop and wait for it, `timeout` at most (it goes on after that:
-        calls past a deadline are left to the retry policy); a bug in it is raised here."""
+    def run(self, coro: Coroutine[Any, Any, _T], timeout: float | None) -> _T | None:
+        """Run `coro` on the loop and wait for its result, `timeout` at most (None then: it
+        goes on, as calls past a deadline do, left to the retry policy); what it raises is
+        raised here."""
         done = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
-            done.result(timeout)
+            return done.result(timeout)
         except concurrent.futures.TimeoutError:
-            return
+            return None
 
     def gate(self, config: Backend) -> asyncio.Semaphore:
         """The backend's calls in flight from this process (used on the loop only)."""
