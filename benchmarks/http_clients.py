@@ -9,12 +9,15 @@ process's CPU per call (user + system), with the ratio to the asyncio + aiohttp 
   aiohttp          asyncio + aiohttp, Semaphore(64), one event loop (baselines.async_semaphore)
   urllib3          `--threads` threads sharing one urllib3 PoolManager (qrq's client until now)
   qrq post_json    `--threads` threads through qreward_queue.backends.transport.post_json
-                   (http.client, one keep-alive connection per thread)
+                   (one keep-alive socket per thread: the call pool, under a limiter)
+  qrq call loop    post_json_async on the worker's call loop, Semaphore(64) (one asyncio
+                   thread: a backend with no limiter)
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import sys
@@ -28,9 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baselines
 from throughput import LATENCY_CV, LATENCY_MS, samples_for
 
-from qreward_queue.backends.transport import post_json
+from qreward_queue.backends.transport import post_json, post_json_async
 from qreward_queue.config import Backend
 from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn
+from qreward_queue.worker.call_loop import call_loop
 
 
 def cpu_s() -> float:
@@ -72,17 +76,28 @@ def main(argv: list[str] | None = None) -> None:
         request = baselines._Request(backend)
         payloads = [request.payload(s) for s in samples_for(args.n)]
 
+        async def on_loop(payloads: list[dict]) -> None:
+            gate = asyncio.Semaphore(64)
+
+            async def one(payload: dict) -> None:
+                async with gate:
+                    await post_json_async(backend, request.endpoint, payload)
+
+            await asyncio.gather(*(one(p) for p in payloads))
+
         def threaded(post) -> None:
             with ThreadPoolExecutor(args.threads) as pool:
                 list(pool.map(lambda p: post(request.endpoint, p), payloads))
 
         baselines.async_semaphore(backend, samples_for(200), 64)  # warm: imports, connections
+        call_loop().run(on_loop(payloads[:200]), None)
         rows = [
             measure("aiohttp", args.n,
                     lambda: baselines.async_semaphore(backend, samples_for(args.n), 64)),
             measure("urllib3", args.n, lambda: threaded(urllib3_post(args.threads))),
             measure("qrq post_json", args.n,
                     lambda: threaded(lambda url, p: post_json(backend, url, p).body)),
+            measure("qrq call loop", args.n, lambda: call_loop().run(on_loop(payloads), None)),
         ]
     print(f"== {args.n} judge calls, mock judge {LATENCY_MS:g} ms (cv {LATENCY_CV}); "
           f"threads: {args.threads}")

@@ -25,8 +25,9 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, partial
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -135,51 +136,47 @@ def post_json(config: Backend, url: str, payload: dict) -> Reply:
     deadline = time.monotonic() + config.timeout_s
     while True:
         sock, reused = _take_socket(server, config.timeout_s)
-        try:
-            resp = _exchange(sock, request, deadline)
-        except BaseException as exc:
-            sock.close()
-            if (error := _exchange_error(server, config, exc, reused)) is None:
-                continue
-            if error is exc:
-                raise
-            raise error from None
-        if not resp.keep_alive:
-            sock.close()
-        else:
-            _kept()[server] = sock
-        return _reply(config, server, resp)
+        outcome = _attempt(sock, request, deadline)
+        keep = partial(_kept().__setitem__, server, sock)
+        if (reply := _finished(config, server, sock, outcome, reused, keep)) is not None:
+            return reply
 
 
 async def post_json_async(config: Backend, url: str, payload: dict) -> Reply:
     """`post_json` on the running event loop (the worker's call loop): the same request,
     errors and reply, over the loop's kept-alive connections."""
     server, request = _request(config, url, payload)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + config.timeout_s
-    idle = _idle.setdefault(server, [])
+    deadline = asyncio.get_running_loop().time() + config.timeout_s
     while True:
-        conn = None
-        while idle and conn is None:
-            conn = idle.pop()
-            conn = None if conn.closed else conn  # the server closed it while it was idle
-        reused = conn is not None
-        if conn is None:
-            conn = await _connect_async(server, deadline - loop.time())
-        try:
-            resp = await conn.exchange(request, deadline - loop.time())
-        except BaseException as exc:
-            conn.close()
-            if (error := _exchange_error(server, config, exc, reused)) is None:
-                continue
-            if error is exc:
-                raise
-            raise error from None
-        if not resp.keep_alive:
-            conn.close()
+        conn, reused = await _take_connection(server, deadline)
+        outcome = await conn.exchange(request, deadline)
+        keep = partial(_idle.setdefault(server, []).append, conn)
+        if (reply := _finished(config, server, conn, outcome, reused, keep)) is not None:
+            return reply
+
+
+def _finished(config: Backend, server: _Server, conn: socket.socket | _Connection,
+              outcome: _Response | BaseException, reused: bool, keep: Callable[[], None]
+              ) -> Reply | None:
+    """The reply of one exchange on `conn` (kept by `keep` when the server keeps it open),
+    or the error a failed exchange means, naming the server (never the URL's credentials);
+    None: the request goes once more on a new connection (a kept-alive one the server had
+    closed while it was idle)."""
+    if isinstance(outcome, _Response):
+        if outcome.keep_alive:
+            keep()
         else:
-            idle.append(conn)
-        return _reply(config, server, resp)
+            conn.close()
+        return _reply(config, server, outcome)
+    conn.close()
+    if isinstance(outcome, (_Unanswered, ConnectionResetError, BrokenPipeError)) and reused:
+        return None
+    if isinstance(outcome, TimeoutError):
+        raise TransientError(f"no reply from {server.where} within {config.timeout_s:g} s",
+                             timed_out=True) from None
+    if isinstance(outcome, (httptools.HttpParserError, OSError)):  # refused, reset, cut short
+        raise _failed(server, outcome) from None
+    raise outcome
 
 
 def _request(config: Backend, url: str, payload: dict) -> tuple[_Server, bytes]:
@@ -199,20 +196,6 @@ def _request(config: Backend, url: str, payload: dict) -> tuple[_Server, bytes]:
         extra = f"Authorization: Bearer {key}\r\n"
     body = json.dumps(payload).encode()
     return server, f"{server.head}{extra}Content-Length: {len(body)}\r\n\r\n".encode() + body
-
-
-def _exchange_error(server: _Server, config: Backend, exc: BaseException, reused: bool
-                    ) -> BaseException | None:
-    """What a failed exchange raises (naming the server, never the URL's credentials); None:
-    the kept-alive connection had been closed by the server while idle, try a new one."""
-    if isinstance(exc, (_Unanswered, ConnectionResetError, BrokenPipeError)) and reused:
-        return None
-    if isinstance(exc, TimeoutError):
-        return TransientError(f"no reply from {server.where} within {config.timeout_s:g} s",
-                              timed_out=True)
-    if isinstance(exc, (httptools.HttpParserError, OSError)):  # refused, reset, cut short...
-        return _failed(server, exc)
-    return exc
 
 
 def _reply(config: Backend, server: _Server, resp: _Response) -> Reply:
@@ -297,6 +280,14 @@ class _Response:
         raise _Incomplete("IncompleteRead")
 
 
+def _attempt(sock: socket.socket, request: bytes, deadline: float) -> _Response | BaseException:
+    """`_exchange`, its failure returned (to `_finished`, which closes the socket first)."""
+    try:
+        return _exchange(sock, request, deadline)
+    except BaseException as exc:
+        return exc
+
+
 def _exchange(sock: socket.socket, request: bytes, deadline: float) -> _Response:
     """Send `request` in one write; read the whole reply by `deadline`, however it trickles.
     A reply over MAX_REPLY_BYTES is read no further (and its socket not kept)."""
@@ -319,6 +310,16 @@ def _exchange(sock: socket.socket, request: bytes, deadline: float) -> _Response
     return resp
 
 
+async def _take_connection(server: _Server, deadline: float) -> tuple[_Connection, bool]:
+    """A kept-alive connection of the loop to `server` (True), or a new one (False)."""
+    idle = _idle.setdefault(server, [])
+    while idle:
+        conn = idle.pop()
+        if not conn.closed:  # else the server closed it while it was idle
+            return conn, True
+    return await _connect_async(server, deadline - asyncio.get_running_loop().time()), False
+
+
 async def _connect_async(server: _Server, timeout_s: float) -> _Connection:
     loop = asyncio.get_running_loop()
     connecting = loop.create_connection(  # TCP_NODELAY is asyncio's default
@@ -339,17 +340,20 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self._resp = _Response()
         self._received = 0
-        self._waiter: asyncio.Future[_Response] | None = None
+        self._waiter: asyncio.Future[_Response | BaseException] | None = None
         self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
-    def exchange(self, request: bytes, timeout_s: float) -> asyncio.Future[_Response]:
+    def exchange(self, request: bytes, deadline: float
+                 ) -> asyncio.Future[_Response | BaseException]:
+        """Send `request`; the future's result is the reply, or what ended the exchange (by
+        the loop's clock `deadline` at the latest: TimeoutError)."""
         loop = asyncio.get_running_loop()
         self._resp, self._received = _Response(), 0
         self._waiter = loop.create_future()
-        self._timer = loop.call_later(max(0.001, timeout_s), self._end, TimeoutError())
+        self._timer = loop.call_at(deadline, self._end, TimeoutError())
         assert self.transport is not None
         self.transport.write(request)
         return self._waiter
@@ -390,12 +394,8 @@ class _Connection(asyncio.Protocol):
         waiter, self._waiter = self._waiter, None
         if self._timer is not None:
             self._timer.cancel()
-        if waiter is None or waiter.done():
-            return
-        if error is None:
-            waiter.set_result(self._resp)
-        else:
-            waiter.set_exception(error)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(self._resp if error is None else error)
 
 
 def _reason(exc: BaseException) -> str:
