@@ -69,7 +69,9 @@ class Pool:
     """How the Celery worker pool for one backend runs."""
 
     type: str = "threads"
-    concurrency: int = 2  # chunk tasks at once per worker process
+    # chunk tasks at once per worker process: while one waits for the last, slowest calls of
+    # its chunk, the others' calls keep the process's `calls` busy
+    concurrency: int = 4
     rate_limit: str | None = None
     # backend calls in flight per worker process, shared by its tasks: with no `calls` in the
     # file (`sized`), the most the pool may size itself to (see call_pool.CallSizing)

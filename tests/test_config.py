@@ -387,7 +387,7 @@ def test_backend_defaults_and_explicit_values(tmp_path):
         "j",
         None,  # sized by the planner
         "threads",
-        2,
+        4,  # chunk tasks at once: while one waits for its slowest call, three keep calls busy
         64,  # no `calls`: the most the pool sizes itself to (no limits: an asyncio client's 64)
     )
     assert pool.sized

@@ -62,7 +62,7 @@ def chunk_size(backend: Backend, n: int) -> int:
     never fewer than fill the worker's calls with the `pool.concurrency` chunks it runs at once.
 
     >>> chunk_size(Backend("j", "judge"), 4096), chunk_size(Backend("j", "judge"), 40)
-    (64, 32)
+    (64, 16)
     """
     if backend.chunk_size:
         return backend.chunk_size
