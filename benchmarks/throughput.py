@@ -12,8 +12,9 @@ cv 0.5). For each batch size, in the same run:
 
 Two modes, both printed:
 
-  warm   workers pooled as the README advised (`calls = 48`, `concurrency = 2`), warmed with
-         one batch of 2,048 samples first (as after a training run's first step)
+  warm   workers pooled by the README's rule for a backend with no binding limit (`calls =
+         48`, chunk tasks at once left to the default), warmed with one batch of 2,048 samples
+         first (as after a training run's first step)
   cold   "untuned, cold": for each batch size and repeat, `--workers` workers started fresh
          from a backend file holding only the backend's URL (the fast judge has no limits), then
          the first and the second batch measured separately, each after an asyncio run
@@ -53,8 +54,8 @@ LATENCY_MS = 20.0
 LATENCY_CV = 0.5
 SEMAPHORE = 64
 # README's pool sizing for a backend with no binding limit: per worker process, `calls`
-# concurrent calls (latency x target rate / workers, rounded up) and 2 chunk tasks at once.
-POOL = {"type": "threads", "concurrency": 2, "calls": 48}
+# concurrent calls (latency x target rate / workers, rounded up), default chunk tasks at once.
+POOL = {"type": "threads", "calls": 48}
 
 
 def samples_for(n: int) -> list[dict]:
