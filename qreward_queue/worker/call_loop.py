@@ -52,9 +52,13 @@ class CallLoop:
     def gate(self, config: Backend) -> asyncio.Semaphore:
         """The backend's calls in flight from this process (used on the loop only)."""
         if config.name not in self._gates:
-            self._sizes[config.name] = sizing = CallSizing(config)
-            self._gates[config.name] = asyncio.Semaphore(sizing.size)
+            self._gates[config.name] = asyncio.Semaphore(self._sizing(config).size)
         return self._gates[config.name]
+
+    def _sizing(self, config: Backend) -> CallSizing:
+        if config.name not in self._sizes:
+            self._sizes[config.name] = CallSizing(config)
+        return self._sizes[config.name]
 
     def sizes(self) -> dict[str, dict]:
         """Calls in flight per backend on the loop and why (shown by `qrq status`)."""
@@ -67,9 +71,8 @@ class CallLoop:
 
         async def open_all() -> None:
             client = make_backend(config)
-            self.gate(config)
-            count = self._sizes[config.name].size
-            await asyncio.gather(*(client.connect_async() for _ in range(count)))
+            await asyncio.gather(*(client.connect_async()
+                                   for _ in range(self._sizing(config).size)))
 
         self.run(open_all(), timeout=None)
 

@@ -127,17 +127,21 @@ class ChunkRunner:
                 started = time.monotonic()
                 try:
                     result: Call | ScoringError = await self.path.call_async(batch)
-                except (RateLimited, PermanentError) as exc:
-                    if isinstance(exc, RateLimited) or (len(positions) > 1
-                                                        and not self.path.client.grouped):
+                except ScoringError as exc:
+                    if self._goes_on(positions, exc):
                         await asyncio.to_thread(self._run_call, samples, positions, None, exc)
                         return
-                    result = exc
-                except ScoringError as exc:
                     result = exc
                 self._settle(positions, result, self.attempt, _ms_since(started))
 
         await asyncio.gather(*(one(positions) for positions in calls))
+
+    def _goes_on(self, positions: list[int], error: ScoringError) -> bool:
+        """Whether a call that ended with `error` is made again here: after a 429's wait, or
+        split in halves to isolate the bad item of a batch (never a judge's group)."""
+        return isinstance(error, RateLimited) or (
+            isinstance(error, PermanentError) and len(positions) > 1
+            and not self.path.client.grouped)
 
     def _halted(self) -> bool:
         """No call of the chunk starts past its deadline or after a long limiter wait."""
@@ -171,7 +175,7 @@ class ChunkRunner:
             except (Cancelled, BudgetExceeded) as exc:
                 result = exc
             except PermanentError as exc:
-                if len(positions) > 1 and not self.path.client.grouped:
+                if self._goes_on(positions, exc):
                     # isolate the bad item: split, then each half on its own
                     half = len(positions) // 2
                     self._run_call(samples, positions[:half], None)
