@@ -52,14 +52,16 @@ def flush_redis(url: str = REDIS_URL) -> None:
 
 
 def judge_config(
-    url: str, *, rpm: float, max_concurrent: int, calls: int, timeout_s: float = 30.0
+    url: str, *, rpm: float, max_concurrent: int, calls: int | None, timeout_s: float = 30.0
 ) -> dict:
     """The backend file of a judge at `url` (a mock judge's base URL) with these limits and
-    `calls` in flight per worker process (2 chunk tasks at once)."""
+    `calls` in flight per worker process (2 chunk tasks at once); `calls=None`: untuned, as
+    README advises (no [pool] table: the pool sizes itself)."""
+    pool = {} if calls is None else {"pool": {"type": "threads", "concurrency": 2, "calls": calls}}
     return {
         "backend": {"kind": "judge", "url": url + "/v1", "model": "mock", "timeout_s": timeout_s},
         "limits": {"rpm": rpm, "max_concurrent": max_concurrent},
-        "pool": {"type": "threads", "concurrency": 2, "calls": calls},
+        **pool,
         "retry": {"attempts": 3, "backoff_base_s": 0.1, "backoff_cap_s": 1.0},
     }
 

@@ -6,8 +6,9 @@ S1  one backend: the mock judge allows 3000 rpm (one second's worth, 50, in its 
     requests in flight, latency 200 ms mean (lognormal, cv 0.5); 1,024 samples (`grpo_batch`);
     qrq with 2 `qrq worker` processes sized by the README's rule (backend file: rpm 3000,
     max_concurrent 64: 3 x 50/s x 0.2 s = 30 in flight, 15 threads each).
-S2  shared limit: the same judge; 4 trainer processes each submit 256 samples at the same moment;
-    the same 2 workers serve. Baselines (b), (c), (d) run as 4 processes too, each configured
+S2  shared limit and faults: the same judge, which also answers 3% of calls with a 500 and lets
+    0.5% hang past the 10 s call timeout; an untuned backend file (no [pool] table, as README
+    advises); 4 trainer processes each submit 256 samples at the same moment; 2 workers serve. Baselines (b), (c), (d) run as 4 processes too, each configured
     with the full limit, as separate trainers would be.
 S3  wrong limits: the backend file says rpm 6000, the judge enforces 3000; 2,048 samples. The
     judge's counters are read at t = 10 s so that 429s and throughput are reported for the first
@@ -66,6 +67,9 @@ LATENCY_CV = 0.5
 WORKERS = 2
 TRAINERS = 4
 PROBE_S = 10.0
+ERROR_RATE = 0.03  # S2: calls answered with a 500
+HANG_RATE = 0.005  # S2: calls that hang past the call timeout
+CALL_TIMEOUT_S = 10.0
 POLL_S = 0.02  # how often the benchmark looks at a qrq batch's outcomes so far
 REFILL_S = 1.5  # between runs: the judge's and the limiter's one-second buckets refill
 LEGEND = """\
@@ -96,20 +100,24 @@ class Env:
 
 
 @contextmanager
-def scenario_env(backend_rpm: float):
+def scenario_env(backend_rpm: float, faults: bool = False):
+    """`faults`: the judge answers ERROR_RATE of calls with a 500 and lets HANG_RATE hang past
+    the call timeout, and the backend file is untuned (no [pool] table), as README advises."""
     flush_redis()
+    fault_settings = dict(error_rate=ERROR_RATE, hang_rate=HANG_RATE,
+                          hang_s=2 * CALL_TIMEOUT_S) if faults else {}
+    calls = None if faults else advised_calls(
+        Limits(rpm=backend_rpm, max_concurrent=SERVER_CONCURRENT), LATENCY_MS / 1000, WORKERS)
     with tempfile.TemporaryDirectory(prefix="qrq-bench-") as tmp, spawn(
         MockJudgeSettings(rpm=SERVER_RPM, max_concurrent=SERVER_CONCURRENT,
-                          latency_ms=LATENCY_MS, latency_cv=LATENCY_CV)
+                          latency_ms=LATENCY_MS, latency_cv=LATENCY_CV, **fault_settings)
     ) as mock:
         env = Env()
         env.mock = mock
         env.config_path = write_config(
             Path(tmp),
             {BACKEND: judge_config(mock.url, rpm=backend_rpm, max_concurrent=SERVER_CONCURRENT,
-                                   calls=advised_calls(
-                                       Limits(rpm=backend_rpm, max_concurrent=SERVER_CONCURRENT),
-                                       LATENCY_MS / 1000, WORKERS))},
+                                   calls=calls, timeout_s=CALL_TIMEOUT_S)},
             redis_url=REDIS_URL,
             deadline_s=600,
         )
@@ -403,7 +411,7 @@ def scenario_s2(args) -> tuple[list[Run], list[str]]:
     samples = samples_for(args.n)
     runs, notes = [], []
     limits = {"rpm": SERVER_RPM, "tpm": None, "max_concurrent": SERVER_CONCURRENT}
-    with scenario_env(SERVER_RPM) as env:
+    with scenario_env(SERVER_RPM, faults=True) as env:
         if "qrq" in args.clients:
             start_workers(env)
             log(f"S2 qrq: {TRAINERS} trainer processes x {len(samples) // TRAINERS} samples")

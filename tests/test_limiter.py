@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import re
 import time
 from types import SimpleNamespace
 
@@ -388,7 +389,7 @@ def test_aimd_halves_once_per_cooldown_and_recovers(fake: fakeredis.FakeRedis) -
         limiter.feedback(429, {"retry-after": "0"})
     assert limiter.status()["adaptive_limit"] == 8
     time.sleep(1.05)
-    limiter.feedback(None, None, timed_out=True)
+    limiter.feedback(429, {"retry-after": "0"})
     assert limiter.status()["adaptive_limit"] == 4
     limiter.feedback(200, None)  # no growth while cooling down from the cut
     time.sleep(1.05)
@@ -399,6 +400,26 @@ def test_aimd_halves_once_per_cooldown_and_recovers(fake: fakeredis.FakeRedis) -
     for _ in range(1500):  # near the last cut (8) growth is slower; above it fast again
         limiter.feedback(200, None)
     assert limiter.status()["adaptive_limit"] == 16  # capped at the configured maximum
+
+
+def test_rare_timeouts_are_faults_and_timeouts_that_grow_are_congestion(
+    fake: fakeredis.FakeRedis,
+) -> None:
+    limiter = Limiter(fake, "b", max_concurrent=64, aimd_cooldown_s=0)
+    # a steady 0.5% of calls hanging past the timeout: a fault to retry, no cut
+    for n in range(1, 2001):
+        limiter.feedback(None, None, timed_out=True) if n % 200 == 0 else \
+            limiter.feedback(200, None)
+    status = limiter.status()
+    assert status["adaptive_limit"] == 64
+    assert "faults, not congestion" in status["adaptive_why"]
+    # timeouts on a growing share of calls (an overloaded server): congestion, cut
+    for n in range(1, 41):
+        limiter.feedback(None, None, timed_out=True) if n % 4 == 0 else \
+            limiter.feedback(200, None)
+    status = limiter.status()
+    assert status["adaptive_limit"] < 64
+    assert re.fullmatch(r"cut \d+ -> \d+: timeouts on \d+% of recent calls", status["adaptive_why"])
 
 
 def test_congestion_429_cuts_concurrency_gently_near_the_last_cut_and_pauses_no_one(

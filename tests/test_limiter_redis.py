@@ -273,7 +273,7 @@ def test_aimd_shared_by_limiters(redis_url: str) -> None:
         limiter.feedback(429, {"retry-after": "0"})
     assert b.status()["adaptive_limit"] == 8
     time.sleep(1.05)
-    a.feedback(None, None, timed_out=True)
+    a.feedback(429, {"retry-after": "0"})
     assert b.status()["adaptive_limit"] == 4
     # the lowered limit caps the leases of every limiter
     with a.acquire(), a.acquire(), b.acquire(), b.acquire():

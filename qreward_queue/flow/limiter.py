@@ -265,6 +265,7 @@ class Limiter:
             "leases_in_use": int(s["leases"]),
             "max_concurrent": self.max_concurrent or None,
             "adaptive_limit": int(s["adaptive_limit"]) if "adaptive_limit" in s else None,
+            "adaptive_why": s.get("adaptive_why"),  # its last move (or not) and why
             "recent_429s": int(s["recent_429s"]),
             "paused_for_s": s["paused_ms"] / 1000,
             "bounded": s.get("bounded") or None,  # the last out-of-bounds reply, if recent

@@ -98,6 +98,8 @@ def render_snapshot(snap: dict) -> str:
     lines += [f"  {row['backend']}: a reply out of bounds (last 10 min): {row['bounded']}"
               for row in snap["backends"] if row.get("bounded")]
     lines += [line for row in snap["backends"] for line in _learned_lines(row)]
+    lines += [f"  {row['backend']}: adaptive concurrency {row['adaptive_why']}"
+              for row in snap["backends"] if row.get("adaptive_why")]
     lines += [f"  {row['backend']}: {node} keeps {pool['calls']} calls in flight ({pool['why']})"
               for row in snap["backends"] for node, pool in row.get("calls", {}).items()]
     for row in snap["backends"]:

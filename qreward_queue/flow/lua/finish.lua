@@ -20,6 +20,9 @@ local NEAR_CUT = 0.75          -- a failure at this share of the last cut or mor
 local GENTLE_CUT = 0.1        -- a gentle cut takes this share (at least one call) off
 local FORGET_ABOVE = 1.25      -- climbing this far above the last cut forgets it
 local RECENT_429_S = 60
+local TIMEOUT_WINDOW = 100         -- the timeout share is a decayed mean over about this many calls
+local TIMEOUT_MIN_CALLS = 20       -- ... and says nothing before this many
+local CONGESTED_TIMEOUT_SHARE = 0.05  -- timeouts on this share of recent calls are congestion
 local RELEASED_KEEP_MS = 1000  -- an unclaimed release is stale by then: acquire polls anyway
 local BOUNDED_KEEP_MS = 600000
 local bucket = KEYS[1]
@@ -36,7 +39,9 @@ if #holders > 0 then
   local released = redis.call('ZREM', KEYS[2], unpack(holders))
   if released > 0 and args.max_concurrent > 0 then
     -- callers waiting for a lease block on this list (limiter.py `_await_release`)
-    for _ = 1, released do redis.call('LPUSH', KEYS[5], 1) end
+    local ones = {}
+    for k = 1, math.min(released, args.max_concurrent) do ones[k] = 1 end
+    redis.call('LPUSH', KEYS[5], unpack(ones))
     redis.call('LTRIM', KEYS[5], 0, args.max_concurrent - 1)
     redis.call('PEXPIRE', KEYS[5], RELEASED_KEEP_MS)
   end
@@ -123,37 +128,59 @@ if refused > 0 and redis.call('INCRBY', KEYS[4], refused) == refused then
 end
 local max_conc = args.max_concurrent
 if max_conc <= 0 then return cjson.encode({limit = -1}) end
-local a = redis.call('HMGET', KEYS[3], 'limit', 'ok', 'cut_at', 'ceiling')
+local a = redis.call('HMGET', KEYS[3], 'limit', 'ok', 'cut_at', 'ceiling', 'calls', 'timeouts')
 local limit = math.min(max_conc, tonumber(a[1]) or max_conc)
 local ok, cut_at, ceiling = tonumber(a[2]) or 0, tonumber(a[3]), tonumber(a[4])
-local changed = false
+local calls, timeouts = tonumber(a[5]) or 0, tonumber(a[6]) or 0
+local changed, why = false, nil
 for _, c in ipairs(args.calls) do
   local cooling = cut_at and now < cut_at + args.aimd_cooldown_ms
+  if c.event == 'ok' or c.event == 'timeout' then
+    -- the share of recent calls that timed out: a decayed mean over about TIMEOUT_WINDOW calls
+    calls = calls * (1 - 1 / TIMEOUT_WINDOW) + 1
+    timeouts = timeouts * (1 - 1 / TIMEOUT_WINDOW) + (c.event == 'timeout' and 1 or 0)
+    changed = true
+  end
+  -- congestion: a 429 (with requests left, or saying nothing), or timeouts once they are a
+  -- share of recent calls that a steady fault rate does not reach (they grow with load); a
+  -- rare timeout, like a 500, is a fault to retry and cuts nothing
+  local share = timeouts / math.max(calls, 1)
+  local congested = c.event == 'congested' or c.event == '429' or (c.event == 'timeout'
+    and calls >= TIMEOUT_MIN_CALLS and share >= CONGESTED_TIMEOUT_SHARE)
   if c.event == 'ok' and not cooling then
     -- additive increase, none while cooling down from a cut: +1 after `limit` successes;
     -- near the level of the last cut (`ceiling`) only after PROBE_SLOWDOWN times as many, so
     -- a server's real limit is probed gently; well above it the ceiling is forgotten (the
     -- server's limit came back) and growth is fast again
-    ok, changed = ok + 1, true
+    ok = ok + 1
     local near = ceiling and limit >= NEAR_CEILING * ceiling - 1
     if ok >= (near and PROBE_SLOWDOWN or 1) * limit then limit, ok = math.min(max_conc, limit + 1), 0 end
     if ceiling and limit > FORGET_ABOVE * ceiling then ceiling = false end
-  elseif c.event == 'congested' or c.event == 'timeout' or c.event == '429' then
+  elseif congested then
     -- multiplicative decrease, once per cooldown so one burst of failures cuts only once: by
     -- half, or gently (GENTLE_CUT) when the limit had climbed back near the last cut
     ok, changed = 0, true
     if not cooling then
       local near = ceiling and limit >= NEAR_CUT * ceiling
       local cut = near and limit - math.max(1, math.floor(limit * GENTLE_CUT)) or math.floor(limit / 2)
+      why = string.format('cut %d -> %d: %s', limit, math.max(1, cut),
+        c.event == 'timeout' and string.format('timeouts on %.0f%% of recent calls', 100 * share)
+        or c.event == 'congested' and 'a 429 with requests and tokens left (too many in flight)'
+        or 'a 429 that said no more')
       cut_at, ceiling, limit = now, limit, math.max(1, cut)
     end
+  elseif c.event == 'timeout' then
+    why = string.format('kept %d: timeouts on %.1f%% of recent calls are faults, not congestion',
+      limit, 100 * share)
   end
 end
 if changed then
-  redis.call('HSET', KEYS[3], 'limit', limit, 'ok', ok)
-  if cut_at then redis.call('HSET', KEYS[3], 'cut_at', num(cut_at)) end
-  if ceiling then redis.call('HSET', KEYS[3], 'ceiling', ceiling)
-  else redis.call('HDEL', KEYS[3], 'ceiling') end
+  local f = {'limit', limit, 'ok', ok, 'calls', num(calls), 'timeouts', num(timeouts)}
+  if why then f[#f + 1], f[#f + 2] = 'why', why end
+  if cut_at then f[#f + 1], f[#f + 2] = 'cut_at', num(cut_at) end
+  if ceiling then f[#f + 1], f[#f + 2] = 'ceiling', ceiling
+  elseif a[4] then redis.call('HDEL', KEYS[3], 'ceiling') end
+  redis.call('HSET', KEYS[3], unpack(f))
   redis.call('PEXPIRE', KEYS[3], AIMD_IDLE_MS)
 end
 return cjson.encode({limit = limit})

@@ -1,7 +1,8 @@
 -- status.lua: a read-only snapshot of one backend, levels refilled to the server's now.
 -- KEYS[1] bucket hash, KEYS[2] leases zset, KEYS[3] aimd hash, KEYS[4] recent-429 counter
 -- args: limits: [{name, cap, rate}] (as configured)
--- Returns {leases, adaptive_limit (absent when unset), recent_429s, paused_ms, limits: [{name,
+-- Returns {leases, adaptive_limit (absent when unset), adaptive_why (the controller's last move
+--   or non-move and why, absent when none), recent_429s, paused_ms, limits: [{name,
 --   level, cap, rate, cfg_rate, reset_ms (absent when unknown), told_rate/told_age_ms/told_by
 --   (a believed lower limit, see finish.lua), claims/claim_rate/claim_age_ms (the run of replies
 --   telling one)}]} (rates per ms).
@@ -11,6 +12,7 @@ local paused_until = tonumber(h.paused_until) or now
 local out = {
   leases = redis.call('ZCOUNT', KEYS[2], '(' .. num(now), '+inf'),
   adaptive_limit = tonumber(redis.call('HGET', KEYS[3], 'limit')),
+  adaptive_why = redis.call('HGET', KEYS[3], 'why') or nil,
   recent_429s = tonumber(redis.call('GET', KEYS[4]) or '0'),
   paused_ms = math.max(0, paused_until - now),
   bounded = (tonumber(h.bounded_until) or 0) > now and h.bounded or nil,
