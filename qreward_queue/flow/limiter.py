@@ -9,10 +9,17 @@ that debt (first booked, first served) and a cost above capacity passes after it
 A call costs two round trips in the common case: ``acquire`` (which can grant several calls at
 once) and ``finish`` (settle tokens, learn from the reply, release the lease). Python and Lua
 exchange named fields as JSON. Key names: ``keys.limiter``.
+
+One implementation, two faces: each operation (book, wait for the booked start, finish) is a
+generator of the Redis round trips, sleeps and blocking waits it needs (`_Eval`, `_Sleep`,
+`_Block`); `_drive` carries them out with the blocking client for a thread, `_drive_async`
+with redis-py's asyncio client on the worker's call loop (the same Lua scripts), so a call on
+the loop pays no thread switch for its grant.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -20,14 +27,14 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, TypeVar
 
 import redis
-from redis.commands.core import Script
+import redis.asyncio
 
 from .. import keys
 from ..errors import LimiterBusy
@@ -37,6 +44,7 @@ log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 MAX_PENDING = 32  # finishes sent together at most
+LOOP_FINISH_DELAY_S = 0.01  # on the call loop, successes are finished together within this
 MIN_BLOCK_S = 0.002  # the shortest wait for a released lease
 CORROBORATE = 3  # replies that must agree before a limit below the configured one is believed
 CLAIM_WINDOW_S = 60.0  # ... each within this long of the one before (or a 429 saying it)
@@ -53,13 +61,58 @@ def estimate_tokens(text: str, max_output_tokens: int = 0) -> int:
     return math.ceil(len(text) / 4) + max_output_tokens
 
 
-def _load_scripts(client: redis.Redis) -> dict[str, Script]:
-    """EVALSHA handles for every script, each prefixed with the shared ``lib.lua`` and without
-    comments (the embedded mode's fakeredis compiles the text on every call)."""
+def _load_scripts(client: Any) -> dict[str, Any]:
+    """EVALSHA handles for every script on `client` (blocking or asyncio), each prefixed with
+    the shared ``lib.lua`` and without comments (the embedded mode's fakeredis compiles the
+    text on every call)."""
     lua = resources.files("qreward_queue.flow") / "lua"
     lib = (lua / "lib.lua").read_text()
     return {name: client.register_script(_code(lib + (lua / f"{name}.lua").read_text()))
             for name in _SCRIPT_KEYS}
+
+
+@dataclass(frozen=True)
+class _Eval:
+    """Run limiter script `script` with `args`; the step gets its decoded reply."""
+
+    script: str
+    args: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class _Sleep:
+    seconds: float
+
+
+@dataclass(frozen=True)
+class _Block:
+    """Wait up to `seconds` for a lease released anywhere (finish.lua announces each one)."""
+
+    seconds: float
+
+
+_Steps = Generator[_Eval | _Sleep | _Block, Any, _T]
+
+
+class _Outage:
+    """How long to wait before the next try while Redis is away (restart, failover), for up
+    to `wait_s` in all; then the error stands."""
+
+    def __init__(self, backend: str, wait_s: float):
+        self.backend, self.deadline, self.delay = backend, time.monotonic() + wait_s, 0.05
+
+    def next_delay(self, exc: Exception) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise exc
+        log.warning("limiter %s: Redis unavailable (%s), retrying for up to %.0f s",
+                    self.backend, exc, left)
+        delay = min(self.delay * random.uniform(0.8, 1.2), left)
+        self.delay = min(self.delay * 2, 1.0)
+        return delay
+
+
+_REDIS_AWAY = (redis.ConnectionError, redis.TimeoutError)
 
 
 def _code(lua: str) -> str:
@@ -100,7 +153,11 @@ class Grant:
 
     def wait(self) -> None:
         """Sleep until the booked start, plus any pause that was ordered meanwhile."""
-        self._limiter._wait_for_start(self)
+        self._limiter._drive(self._limiter._wait_for_start(self))
+
+    async def wait_async(self) -> None:
+        """`wait` on an event loop."""
+        await self._limiter._drive_async(self._limiter._wait_for_start(self))
 
     def settle(self, actual_tokens: float) -> None:
         """Record the call's real token usage; ``finish`` reconciles it with the estimate."""
@@ -115,12 +172,20 @@ class Grant:
     def learn(self, feedback: Feedback) -> Reading:
         """`finish` with what a backend's kind read from its reply (`BackendClient.feedback`):
         the tokens it reports settle the call's booking."""
+        return self._limiter._drive(self._learn(feedback))
+
+    async def learn_async(self, feedback: Feedback) -> Reading:
+        """`learn` on the call loop: a success waits up to LOOP_FINISH_DELAY_S to be sent
+        with others (one script for many calls)."""
+        return await self._limiter._learn_async(self._learn(feedback))
+
+    def _learn(self, feedback: Feedback) -> _Steps[Reading]:
         if self.finished:
             return Reading()
         self.finished = True
         used = self._used_tokens if feedback.tokens is None else feedback.tokens
         refund = 0.0 if used is None else self.tokens - used
-        return self._limiter._finish([self.holder], feedback, refund)
+        return (yield from self._limiter._finish([self.holder], feedback, refund))
 
 
 class Limiter:
@@ -135,7 +200,9 @@ class Limiter:
     ``max_pause_s`` (the longest pause one reply can order; see `RateLimitHeaders`),
     ``finish_delay_s`` (successes may wait this long to be finished together; 0: at once),
     ``learned_relax_s`` (a limit learned from replies, below the configured one, doubles back
-    this often unless replies confirm it; see ``lua/finish.lua`` for when one is believed).
+    this often unless replies confirm it; see ``lua/finish.lua`` for when one is believed),
+    ``connect_async`` (makes the asyncio client of the same Redis for the ``*_async`` face, on
+    the loop that uses it; without it that face runs the blocking client on a thread).
 
     >>> import fakeredis
     >>> limiter = Limiter(fakeredis.FakeRedis(), "judge-a", rpm=600, tpm=60_000, max_concurrent=4)
@@ -160,6 +227,7 @@ class Limiter:
         max_pause_s: float = DEFAULT_MAX_PAUSE_S,
         finish_delay_s: float = 0.0,
         learned_relax_s: float = 60.0,
+        connect_async: Callable[[], redis.asyncio.Redis] | None = None,
     ) -> None:
         if burst_s <= 0 or lease_ttl_s <= 0 or min(rpm or 0, tpm or 0, max_concurrent or 0) < 0:
             raise ValueError("burst_s and lease_ttl_s must be positive, limits not negative")
@@ -178,6 +246,9 @@ class Limiter:
         self._redis = redis_client
         self._keys = keys.limiter(backend)
         self._scripts = _load_scripts(redis_client)
+        self._connect_async = connect_async
+        self._aio: tuple[redis.asyncio.Redis, dict[str, Any]] | None = None
+        self._flush_scheduled = False
         self._limits: list[dict[str, Any]] = [
             {"name": name, "cap": max(per_min / 60.0 * burst_s, 1.0), "rate": per_min / 60_000.0}
             for name, per_min in (("rpm", rpm), ("tpm", tpm))
@@ -204,18 +275,26 @@ class Limiter:
 
         Fewer come back when leases run out. Each grant must be waited (``grant.wait()``) and
         finished (``grant.finish(...)``). While no lease is free it blocks until one is released
-        by any process (`_await_release`); raises `LimiterBusy` when not even one call could
-        start within ``max_wait_s``.
+        by any process (finish.lua announces each release); raises `LimiterBusy` when not even
+        one call could start within ``max_wait_s``.
         """
-        self.flush()  # leases this process released are free before it books more
+        return self._drive(self._reserve(count, tokens, max_wait_s))
+
+    async def reserve_async(self, count: int, tokens: float = 0,
+                            max_wait_s: float = 30.0) -> list[Grant]:
+        """`reserve` on an event loop."""
+        return await self._drive_async(self._reserve(count, tokens, max_wait_s))
+
+    def _reserve(self, count: int, tokens: float, max_wait_s: float) -> _Steps[list[Grant]]:
+        yield from self._flush()  # leases this process released are free before it books more
         prefix = uuid.uuid4().hex
         deadline = time.monotonic() + max_wait_s
         limits = [dict(lim, cost=1 if lim["name"] == "rpm" else tokens) for lim in self._limits]
         while True:
             budget_ms = max(0.0, deadline - time.monotonic()) * 1000
-            reply = self._run("acquire", holder=prefix, count=count, limits=limits,
-                              lease_ttl_ms=self.lease_ttl_s * 1000,
-                              max_concurrent=self.max_concurrent, max_wait_ms=budget_ms)
+            reply = yield _Eval("acquire", dict(
+                holder=prefix, count=count, limits=limits, lease_ttl_ms=self.lease_ttl_s * 1000,
+                max_concurrent=self.max_concurrent, max_wait_ms=budget_ms))
             waits = _as_list(reply["waits"])
             if waits:
                 return [Grant(f"{prefix}:{k}", w / 1000, tokens, self, float(reply["shift"]))
@@ -223,15 +302,9 @@ class Limiter:
             wait_s = reply["wait_ms"] / 1000
             if reply["reason"] != "lease" or time.monotonic() + wait_s > deadline:
                 raise LimiterBusy(wait_s, reply["reason"])
-            self._await_release(wait_s * random.uniform(0.5, 1.5))
-
-    def _await_release(self, timeout_s: float) -> None:
-        """Block until a lease is released anywhere (finish.lua pushes one entry per release),
-        or for `timeout_s` at most (a lease that lapsed is found by the next poll). A waiter
-        in another process then takes a freed lease within a round trip, not a poll later."""
-        # BLPOP's timeout is whole milliseconds, and 0 would block for ever
-        timeout_s = max(MIN_BLOCK_S, timeout_s)
-        self._retry(self._redis.blpop, [self._keys["released"]], timeout=round(timeout_s, 3))
+            # until a lease is released anywhere, or a lapsed one is found by the next try: a
+            # waiter in another process takes a freed lease within a round trip, not a poll later
+            yield _Block(wait_s * random.uniform(0.5, 1.5))
 
     def feedback(self, status_code: int | None, headers: Mapping[str, str] | None = None,
                  timed_out: bool = False) -> Reading:
@@ -240,7 +313,20 @@ class Limiter:
 
     def learn(self, feedback: Feedback) -> Reading:
         """`feedback` with what a backend's kind read from its reply (see `Grant.learn`)."""
-        return self._finish([], feedback, 0.0)
+        return self._drive(self._finish([], feedback, 0.0))
+
+    async def learn_async(self, feedback: Feedback) -> Reading:
+        """`learn` on the call loop."""
+        return await self._learn_async(self._finish([], feedback, 0.0))
+
+    async def _learn_async(self, steps: _Steps[Reading]) -> Reading:
+        reading = await self._drive_async(steps)
+        if self._pending and not self._flush_scheduled:  # successes held back: sent soon
+            self._flush_scheduled = True
+            loop = asyncio.get_running_loop()
+            loop.call_later(max(self.finish_delay_s, LOOP_FINISH_DELAY_S),
+                            lambda: loop.create_task(self.flush_async()))
+        return reading
 
     def pause(self, seconds: float) -> None:
         """Stop every worker of this backend for ``seconds`` (at most ``max_pause_s``)."""
@@ -248,7 +334,7 @@ class Limiter:
 
     def status(self) -> dict[str, Any]:
         """Levels refilled to now (nothing written), rates, leases, adaptive limit, 429s, pause."""
-        s = self._run("status", limits=self._limits)
+        s = self._drive(self._eval("status", limits=self._limits))
         return {
             "backend": self.backend,
             "limits": {
@@ -271,20 +357,20 @@ class Limiter:
             "bounded": s.get("bounded") or None,  # the last out-of-bounds reply, if recent
         }
 
-    def _wait_for_start(self, grant: Grant) -> None:
+    def _wait_for_start(self, grant: Grant) -> _Steps[None]:
         if grant.wait_s <= 0:
             return
-        time.sleep(grant.wait_s)
+        yield _Sleep(grant.wait_s)
         seen = grant._shift_ms
         while True:
-            reply = self._run("checkpoint", holder=grant.holder, seen_shift=seen,
-                              lease_ttl_ms=self.lease_ttl_s * 1000)
+            reply = yield _Eval("checkpoint", dict(holder=grant.holder, seen_shift=seen,
+                                                   lease_ttl_ms=self.lease_ttl_s * 1000))
             seen, extra_ms = reply["shift"], reply["extra_ms"]
             if extra_ms <= 0:
                 return
-            time.sleep(extra_ms / 1000)
+            yield _Sleep(extra_ms / 1000)
 
-    def _finish(self, holders: list[str], feedback: Feedback, refund: float) -> Reading:
+    def _finish(self, holders: list[str], feedback: Feedback, refund: float) -> _Steps[Reading]:
         """A 429 of an exhausted rate pauses the backend for everyone for Retry-After (else the
         reset of the exhausted limit; without either, no one: each call backs off with
         jitter). A 429 while the headers say requests and tokens are left is congestion (a
@@ -331,41 +417,99 @@ class Limiter:
             if len(self._pending) == 1:
                 self._pending_since = time.monotonic()
         if due:
-            self.flush(pause_s, "; ".join(h.bounded))
+            yield from self._flush(pause_s, "; ".join(h.bounded))
         cut = event == "congested" and self.max_concurrent > 0
         return Reading(pause_s, feedback.rate_limited and (pause_s > 0 or cut))
 
     def flush(self, pause_s: float = 0.0, bounded: str = "") -> None:
         """Send the finishes waiting in this process (releasing their leases) in one script."""
+        self._drive(self._flush(pause_s, bounded))
+
+    async def flush_async(self) -> None:
+        """`flush` on the call loop."""
+        self._flush_scheduled = False
+        await self._drive_async(self._flush())
+
+    def _flush(self, pause_s: float = 0.0, bounded: str = "") -> _Steps[None]:
         with self._lock:
             calls, self._pending = self._pending, []
         if calls or pause_s:
-            self._run("finish", calls=calls, limits=self._limits, pause_ms=pause_s * 1000,
-                      max_concurrent=self.max_concurrent, bounded=bounded,
-                      aimd_cooldown_ms=self.aimd_cooldown_s * 1000,
-                      corroborate=CORROBORATE, claim_window_ms=CLAIM_WINDOW_S * 1000)
+            yield from self._eval(
+                "finish", calls=calls, limits=self._limits, pause_ms=pause_s * 1000,
+                max_concurrent=self.max_concurrent, bounded=bounded,
+                aimd_cooldown_ms=self.aimd_cooldown_s * 1000, corroborate=CORROBORATE,
+                claim_window_ms=CLAIM_WINDOW_S * 1000)
 
-    def _run(self, script: str, **args: Any) -> dict[str, Any]:
-        script_keys = [self._keys[name] for name in _SCRIPT_KEYS[script]]
-        args["relax_ms"] = self.learned_relax_s * 1000
-        reply = self._retry(self._scripts[script], keys=script_keys, args=[json.dumps(args)])
-        return json.loads(reply)
+    def _eval(self, script: str, **args: Any) -> _Steps[dict[str, Any]]:
+        return (yield _Eval(script, args))
 
-    def _retry(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
-        """Call Redis, waiting out an outage (restart, failover) for up to ``outage_wait_s``."""
-        deadline = time.monotonic() + self.outage_wait_s
-        delay = 0.05
-        while True:
-            try:
-                return fn(*args, **kwargs)
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise
-                log.warning("limiter %s: Redis unavailable (%s), retrying for up to %.0f s",
-                            self.backend, exc, left)
-                time.sleep(min(delay * random.uniform(0.8, 1.2), left))
-                delay = min(delay * 2, 1.0)
+    # -- the two drivers: one for a thread, one for an event loop --------------------------
+
+    def _drive(self, steps: _Steps[_T]) -> _T:
+        """Carry out `steps` with the blocking client (an outage waited out for up to
+        ``outage_wait_s``)."""
+        reply: Any = None
+        try:
+            while True:
+                step = steps.send(reply)
+                if isinstance(step, _Sleep):
+                    reply = time.sleep(step.seconds)
+                    continue
+                outage = _Outage(self.backend, self.outage_wait_s)
+                while True:
+                    try:
+                        reply = self._io(step)
+                        break
+                    except _REDIS_AWAY as exc:
+                        time.sleep(outage.next_delay(exc))
+        except StopIteration as done:
+            return done.value
+
+    async def _drive_async(self, steps: _Steps[_T]) -> _T:
+        """`_drive` on an event loop: redis-py's asyncio client runs the same scripts (without
+        one, the blocking client on a thread of the loop's)."""
+        if self._connect_async is None:
+            return await asyncio.to_thread(self._drive, steps)
+        reply: Any = None
+        try:
+            while True:
+                step = steps.send(reply)
+                if isinstance(step, _Sleep):
+                    reply = await asyncio.sleep(step.seconds)
+                    continue
+                outage = _Outage(self.backend, self.outage_wait_s)
+                while True:
+                    try:
+                        reply = await self._io_async(step)
+                        break
+                    except _REDIS_AWAY as exc:
+                        await asyncio.sleep(outage.next_delay(exc))
+        except StopIteration as done:
+            return done.value
+
+    def _io(self, step: _Eval | _Block) -> Any:
+        if isinstance(step, _Block):  # BLPOP's timeout is whole ms; 0 would block for ever
+            return self._redis.blpop([self._keys["released"]], timeout=_block_s(step))
+        return json.loads(self._scripts[step.script](**self._script_call(step)))
+
+    async def _io_async(self, step: _Eval | _Block) -> Any:
+        if self._aio is None:  # made on the loop that uses it
+            assert self._connect_async is not None
+            client = self._connect_async()
+            self._aio = client, _load_scripts(client)
+        client, scripts = self._aio
+        if isinstance(step, _Block):
+            return await client.blpop([self._keys["released"]], timeout=_block_s(step))
+        return json.loads(await scripts[step.script](**self._script_call(step)))
+
+    def _script_call(self, step: _Eval) -> dict[str, Any]:
+        args = dict(step.args, relax_ms=self.learned_relax_s * 1000)
+        return {"keys": [self._keys[name] for name in _SCRIPT_KEYS[step.script]],
+                "args": [json.dumps(args)]}
+
+
+def _block_s(step: _Block) -> float:
+    return round(max(MIN_BLOCK_S, step.seconds), 3)
 
 
 def _learned(lim: dict[str, Any]) -> dict[str, Any] | None:
