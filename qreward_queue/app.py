@@ -13,6 +13,7 @@ import time
 from functools import cached_property
 
 import redis
+import redis.asyncio
 from celery import Celery
 from celery.signals import task_received, worker_ready
 from kombu import Queue
@@ -31,6 +32,8 @@ kombu_fix.install()  # a Redis restart must not kill the worker (see kombu_fix)
 
 EMBEDDED_FINISH_DELAY_S = 0.01
 REDIS_READ_TIMEOUT_S = 3.0  # qrq's own Redis reads (client polls, limiter, cache)
+STORE_CONNECTION = {"socket_timeout": REDIS_READ_TIMEOUT_S, "socket_connect_timeout": 5,
+                    "health_check_interval": 30}
 
 
 class QrqCelery(Celery):
@@ -54,12 +57,11 @@ class QrqCelery(Celery):
             import fakeredis
 
             return fakeredis.FakeRedis(server=fakeredis.FakeServer())
-        return redis_conn.connect(
-            self.qrq_config,
-            socket_timeout=REDIS_READ_TIMEOUT_S,
-            socket_connect_timeout=5,
-            health_check_interval=30,
-        )
+        return redis_conn.connect(self.qrq_config, **STORE_CONNECTION)
+
+    def store_async(self) -> redis.asyncio.Redis:
+        """The store's asyncio client, for the loop that calls this (the real Redis only)."""
+        return redis_conn.connect_async(self.qrq_config, **STORE_CONNECTION)
 
     @cached_property
     def batch_watch(self) -> BatchWatch:
@@ -94,6 +96,7 @@ class QrqCelery(Celery):
                     max_pause_s=limits.max_pause_s,
                     # in-process Lua costs interpreter time: successes are finished together
                     finish_delay_s=EMBEDDED_FINISH_DELAY_S if self.qrq_config.embedded else 0.0,
+                    connect_async=None if self.qrq_config.embedded else self.store_async,
                 )
             )
         return self._limiters[name]

@@ -251,7 +251,7 @@ def worker(
     from .backends import make_backend
     from .message import TASK_NAME
     from .redact import install_log_filter
-    from .worker.call_loop import call_loop, runs_on_loop
+    from .worker.call_loop import call_loop
     from .worker.call_pool import call_pool
     from .worker.tasks import register
 
@@ -307,7 +307,7 @@ def worker(
         click.echo(f"qrq: warning: {warning}", err=True)
     for logging_ready in (after_setup_logger, after_setup_task_logger):  # no key in a log line
         logging_ready.connect(lambda logger, **_: install_log_filter(logger), weak=False)
-    if backend.pool.type == "threads" and runs_on_loop(backend, app.limiter(backend.name)):
+    if backend.pool.type == "threads" and make_backend(backend).awaitable:
         call_loop().connect(backend)  # its connections exist before the first task
     elif backend.pool.type == "threads" and not make_backend(backend).runs_locally:
         call_pool(backend)  # its threads and connections exist before the first task

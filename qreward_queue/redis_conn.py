@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 from urllib.parse import quote, urlsplit
 
 import redis
+import redis.asyncio
+import redis.asyncio.sentinel
 from redis.sentinel import Sentinel
 
 from .redact import redact_url
@@ -98,7 +100,7 @@ def _sentinel_kwargs(config: Config) -> dict[str, Any]:
     return kwargs
 
 
-def _sentinel(config: Config, **connection: Any) -> Sentinel:
+def _sentinel(config: Config, kind: type[Any] = Sentinel, **connection: Any) -> Any:
     url = _url(config)
     first = urlsplit(url.split(SEPARATOR)[0])  # where Celery reads them too
     if first.username:
@@ -106,7 +108,7 @@ def _sentinel(config: Config, **connection: Any) -> Sentinel:
     password = _env(config.redis_password_env) or first.password
     if password:
         connection["password"] = password
-    return Sentinel(
+    return kind(
         sentinel_addresses(url),
         sentinel_kwargs=_sentinel_kwargs(config),
         db=sentinel_db(url),
@@ -116,12 +118,22 @@ def _sentinel(config: Config, **connection: Any) -> Sentinel:
 
 def connect(config: Config, **connection: Any) -> redis.Redis:
     """A client of the current primary (`connection`: redis-py options such as timeouts)."""
+    return _connect(config, redis.Redis, Sentinel, connection)
+
+
+def connect_async(config: Config, **connection: Any) -> redis.asyncio.Redis:
+    """`connect` for an event loop (redis-py's asyncio client, bound to the loop using it)."""
+    return _connect(config, redis.asyncio.Redis, redis.asyncio.sentinel.Sentinel, connection)
+
+
+def _connect(config: Config, plain: type[Any], sentinel: type[Any],
+             connection: dict[str, Any]) -> Any:
     if not is_sentinel(config.redis_url):
         password = _env(config.redis_password_env)
         if password:
             connection["password"] = password
-        return redis.Redis.from_url(_url(config), **connection)
-    return _sentinel(config, **connection).master_for(config.redis_service_name)
+        return plain.from_url(_url(config), **connection)
+    return _sentinel(config, sentinel, **connection).master_for(config.redis_service_name)
 
 
 def celery_settings(config: Config, transport: dict[str, Any],

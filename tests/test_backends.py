@@ -482,10 +482,9 @@ def test_function_not_callable_attribute(rewards_module):
 
 def run_chunk(config: Backend, samples: list[dict]) -> list:
     """Run one chunk without limiter or breaker, first attempt; its outcomes in order."""
-    runner = ChunkRunner(config, None, None, 1)
-    runner.run(samples)
-    assert len(runner.outcomes) == len(samples)
-    return runner.outcomes
+    result = ChunkRunner(config, None, None, 1).run(samples)
+    assert len(result.outcomes) == len(samples)
+    return result.outcomes
 
 
 @pytest.mark.parametrize("trigger", ["[[mock:400]]", "[[mock:garbage]]", "[[mock:badjson]]"])

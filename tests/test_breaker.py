@@ -192,11 +192,11 @@ def test_probe_answered_429_does_not_shut_the_backend(store, monkeypatch):
     config = Backend(name="judge-a", kind="function", function="m:f")
     monkeypatch.setattr(call_path, "make_backend", lambda _config: client)
     # When a worker runs one sample through it
-    runner = ChunkRunner(config, None, breaker, attempt=1).run([{"prompt": "p",
+    result = ChunkRunner(config, None, breaker, attempt=1).run([{"prompt": "p",
                                                                       "response": "r"}])
     # Then the 429 is waited out and the call made again (as for any 429), not refused
     assert client.calls == 2
-    assert runner.outcomes[0].status == "ok", runner.outcomes[0]
+    assert result.outcomes[0].status == "ok", result.outcomes[0]
     assert not breaker.is_open() and breaker.allow()
 
 

@@ -453,7 +453,8 @@ class Limiter:
             while True:
                 step = steps.send(reply)
                 if isinstance(step, _Sleep):
-                    reply = time.sleep(step.seconds)
+                    time.sleep(step.seconds)
+                    reply = None
                     continue
                 outage = _Outage(self.backend, self.outage_wait_s)
                 while True:
@@ -475,7 +476,8 @@ class Limiter:
             while True:
                 step = steps.send(reply)
                 if isinstance(step, _Sleep):
-                    reply = await asyncio.sleep(step.seconds)
+                    await asyncio.sleep(step.seconds)
+                    reply = None
                     continue
                 outage = _Outage(self.backend, self.outage_wait_s)
                 while True:

@@ -30,6 +30,7 @@ from celery.worker.consumer import Consumer
 from kombu.exceptions import DecodeError
 
 from .. import keys
+from ..message import TASK_NAME, ChunkMessage, MalformedMessage
 
 DEAD_LETTER_KEY = keys.DEAD_LETTERS
 MAX_DEAD_LETTERS = 1000
@@ -50,6 +51,15 @@ def body_problem(payload: Any) -> str | None:
     return None
 
 
+def kwargs_problem(kwargs: dict) -> str | None:
+    """Why score_chunk's kwargs break its contract (checked before the task takes anything)."""
+    try:
+        ChunkMessage.from_kwargs(kwargs)
+    except MalformedMessage as exc:
+        return f"kwargs: {exc}"
+    return None
+
+
 def _shape(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return f"a list of {len(value)}"
@@ -63,7 +73,9 @@ def checked(app, handle: Callable) -> Callable:
         problem = header_problem(message.headers)
         if problem is None and body is None:  # protocol 2: Celery unpacks the payload itself
             try:
-                problem = body_problem(message.payload)
+                problem = body_problem(message.payload) or (
+                    kwargs_problem(message.payload[1])
+                    if message.headers.get("task") == TASK_NAME else None)
             except DecodeError as exc:  # Celery logs and drops it; keep a copy first
                 keep(app, message, f"undecodable task message: {exc}")
                 raise

@@ -1,12 +1,11 @@
 """The process's call loop: one thread running an asyncio event loop, on which the calls of
-backends with no limiter and an `awaitable` kind (the HTTP kinds) run, many at once.
+every `awaitable` kind (the HTTP kinds) run, many at once, limited or not.
 
 Why: a call on the call pool is a thread that sleeps in `recv` and wakes for the reply; at a
 few thousand calls a second the switches between threads (and their fight for the GIL) cost
 more CPU than the calls, and that CPU is taken from the judge on the same machine. On one
-loop a reply costs no thread switch, and replies that arrive together are read together.
-A backend under the global limiter keeps the call pool: its layers block on Redis (grants,
-waits for a lease) and on sleeps (a booked start, a 429's wait).
+loop a reply costs no thread switch, and replies that arrive together are read together;
+the limiter's round trips and waits are awaited on the same loop (`Limiter.*_async`).
 """
 
 from __future__ import annotations
@@ -20,22 +19,55 @@ from typing import Any, TypeVar
 
 from ..backends import make_backend
 from ..config import MAX_PROCESS_CALLS, Backend
-from ..flow.limiter import Limiter
 from .call_pool import CallSizing
 
 _T = TypeVar("_T")
 
 
+class Slots:
+    """A backend's calls in flight from this process, on the loop: `sizing.size` bounds them
+    (a slot is taken before a grant is booked, so no lease waits idle), and replies' latency
+    resizes them as it does the call pool's (used on the loop only)."""
+
+    def __init__(self, sizing: CallSizing):
+        self.sizing = sizing
+        self._used = 0
+        self._free = asyncio.Condition()
+
+    async def take(self, wanted: int) -> int:
+        """Wait for one slot, then take up to `wanted` in all without waiting."""
+        async with self._free:
+            await self._free.wait_for(lambda: self._used < self.sizing.size)
+            taken = min(wanted, self.sizing.size - self._used)
+            self._used += taken
+        return taken
+
+    def give(self, count: int = 1) -> None:
+        self._used -= count
+        if count > 0:
+            asyncio.get_running_loop().create_task(self._wake())
+
+    def observe(self, latency_s: float) -> None:
+        """One call's latency: it may resize the slots."""
+        if self.sizing.observe(latency_s):
+            asyncio.get_running_loop().create_task(self._wake())
+
+    async def _wake(self) -> None:
+        async with self._free:
+            self._free.notify_all()
+
+
 class CallLoop:
-    """The event loop thread, and per backend the gate that holds its calls in flight to
-    `[pool] calls` (PROCESS_CALLS unless the file sets it), as the call pool's threads do."""
+    """The event loop thread, and per backend the slots that hold its calls in flight to
+    `[pool] calls` (sized from the limits unless the file sets it), as the call pool's
+    threads do."""
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         # the threads of calls that must wait (a 429's Retry-After) or be split: made as needed
         self.loop.set_default_executor(
             concurrent.futures.ThreadPoolExecutor(MAX_PROCESS_CALLS, "qrq-call-wait"))
-        self._gates: dict[str, asyncio.Semaphore] = {}
+        self._slots: dict[str, Slots] = {}
         self._sizes: dict[str, CallSizing] = {}
         threading.Thread(target=self.loop.run_forever, name="qrq-call-loop", daemon=True).start()
 
@@ -49,11 +81,11 @@ class CallLoop:
         except concurrent.futures.TimeoutError:
             return None
 
-    def gate(self, config: Backend) -> asyncio.Semaphore:
+    def slots(self, config: Backend) -> Slots:
         """The backend's calls in flight from this process (used on the loop only)."""
-        if config.name not in self._gates:
-            self._gates[config.name] = asyncio.Semaphore(self._sizing(config).size)
-        return self._gates[config.name]
+        if config.name not in self._slots:
+            self._slots[config.name] = Slots(self._sizing(config))
+        return self._slots[config.name]
 
     def _sizing(self, config: Backend) -> CallSizing:
         if config.name not in self._sizes:
@@ -95,11 +127,6 @@ def call_loop() -> CallLoop:
         if _loop is None:
             _loop = CallLoop()
         return _loop
-
-
-def runs_on_loop(config: Backend, limiter: Limiter | None) -> bool:
-    """Whether a backend's calls run on the call loop (else on the call pool's threads)."""
-    return make_backend(config).awaitable and limiter is None
 
 
 def loop_sizes() -> dict[str, dict]:

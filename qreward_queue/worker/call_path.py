@@ -11,7 +11,8 @@ transport  the backend client's call (HTTP or a function; the client parses the 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from ..backends import Call, make_backend
 from ..config import Backend
@@ -25,10 +26,12 @@ from ..errors import (
 )
 from ..flow.breaker import CircuitBreaker
 from ..flow.limiter import Grant, Limiter, Reading
+from ..flow.ratelimit_headers import Feedback
 from ..flow.spend import Booking, Ledger, Usage
 from ..ops import metrics
 
 MAX_LIMITER_WAIT_S = 30.0
+NO_FEEDBACK = Feedback()
 
 
 class CallPath:
@@ -56,11 +59,53 @@ class CallPath:
         self.observe: Callable[[float], None] | None = None
         self.over_budget = False
 
-    def call(self, batch: list[dict], grant: Grant | None) -> Call:
+    def call(self, batch: list[dict], grant: Grant | None = None) -> Call:
+        """The call on this thread (its grant booked here unless the runner booked it)."""
         self._breaker_admits(grant)
         grant = self._granted(batch, grant)
-        booking = self._cleared(batch, grant)
-        return self._transport(batch, grant, booking)
+        with self._given_back_unless_made(grant):
+            if grant is not None:
+                grant.wait()
+            booking = self._clearance(batch, grant)
+        started = time.monotonic()
+        try:
+            result: Call | ScoringError = self.client.call(batch)
+        except ScoringError as exc:
+            result = exc
+        except BaseException:
+            self._no_reply(batch, grant, booking)
+            raise
+        feedback = self._replied(batch, booking, result, started)
+        reading = Reading()
+        if grant is not None:
+            reading = grant.learn(feedback)
+        elif self.limiter is not None:
+            reading = self.limiter.learn(feedback)
+        return self._concluded(result, reading)
+
+    async def call_async(self, batch: list[dict], grant: Grant | None) -> Call:
+        """`call` on the worker's call loop, for a kind whose calls only wait on a server
+        (`awaitable`); `grant`: booked by the runner when the backend has a limiter."""
+        self._breaker_admits(grant)
+        with self._given_back_unless_made(grant):
+            if grant is not None:
+                await grant.wait_async()
+            booking = self._clearance(batch, grant)
+        started = time.monotonic()
+        try:
+            result: Call | ScoringError = await self.client.call_async(batch)
+        except ScoringError as exc:
+            result = exc
+        except BaseException:
+            self._no_reply(batch, grant, booking)
+            raise
+        feedback = self._replied(batch, booking, result, started)
+        reading = Reading()
+        if grant is not None:
+            reading = await grant.learn_async(feedback)
+        elif self.limiter is not None:
+            reading = await self.limiter.learn_async(feedback)
+        return self._concluded(result, reading)
 
     # -- breaker ---------------------------------------------------------------------------
 
@@ -85,38 +130,25 @@ class CallPath:
             raise
         return grant
 
-    def _learn(self, grant: Grant | None, result: Call | ScoringError, failed: bool) -> Reading:
-        """Tell the limiter what the backend's kind reads from the reply (read only when a
-        limiter is there to learn it), and the breaker how the call went; what the limiter
-        made of it."""
-        reading = Reading()
-        if grant is not None:
-            reading = grant.learn(self.client.feedback(result))
-        elif self.limiter is not None:
-            reading = self.limiter.learn(self.client.feedback(result))
-        if self.breaker is not None:  # a 429 counts as alive: flow control handles it
-            self.breaker.failure() if failed else self.breaker.success()
-        return reading
-
     # -- clearance -------------------------------------------------------------------------
 
-    def _cleared(self, batch: list[dict], grant: Grant | None) -> Booking | None:
-        """Wait out the grant, then check the call may be made now (its budget booking)."""
+    @contextmanager
+    def _given_back_unless_made(self, grant: Grant | None) -> Iterator[None]:
+        """What the block raises means the call is not made: its lease (and probe) go back."""
         try:
-            if grant is not None:
-                grant.wait()
-                metrics.record_limiter_wait(self.config.name, grant.wait_s)
-            return self._clearance(batch)
-        except BaseException as exc:  # the call is not made: its lease (and probe) go back
+            yield
+        except BaseException as exc:
             if grant is not None:
                 grant.finish()
             if self.breaker is not None and isinstance(exc, ScoringError):
                 self.breaker.release_probe()
             raise
 
-    def _clearance(self, batch: list[dict]) -> Booking | None:
-        """Cancelled when nobody waits for the call any more, BudgetExceeded when it would
-        pass the backend's budget (else its booking)."""
+    def _clearance(self, batch: list[dict], grant: Grant | None) -> Booking | None:
+        """After the grant's wait: Cancelled when nobody waits for the call any more,
+        BudgetExceeded when it would pass the backend's budget (else its booking)."""
+        if grant is not None:
+            metrics.record_limiter_wait(self.config.name, grant.wait_s)
         stopped = self.stop()
         if stopped:
             raise Cancelled(stopped)
@@ -128,57 +160,44 @@ class CallPath:
             self.over_budget = True
             raise
 
-    # -- transport -------------------------------------------------------------------------
+    # -- after the transport ---------------------------------------------------------------
 
-    def _transport(self, batch: list[dict], grant: Grant | None, booking: Booking | None) -> Call:
-        started = time.monotonic()
-        try:
-            call = self.client.call(batch)
-        except BaseException as exc:
-            self._failed(batch, grant, booking, exc, started)
-            raise
-        return self._answered(batch, grant, booking, call, started)
+    def _no_reply(self, batch: list[dict], grant: Grant | None, booking: Booking | None) -> None:
+        """A call that raised what no reply explains (a bug, an interrupt): nothing spent,
+        its lease back."""
+        self._spent(batch, None, booking, replied=False)
+        if grant is not None:
+            grant.finish()
 
-    async def call_async(self, batch: list[dict]) -> Call:
-        """`call` on the worker's call loop, for a kind whose calls only wait on a server
-        (`awaitable`) and a backend with no limiter: no layer but the transport waits."""
-        self._breaker_admits(None)
-        booking = self._cleared(batch, None)
-        started = time.monotonic()
-        try:
-            call = await self.client.call_async(batch)
-        except BaseException as exc:
-            self._failed(batch, None, booking, exc, started)
-            raise
-        return self._answered(batch, None, booking, call, started)
-
-    def _answered(self, batch: list[dict], grant: Grant | None, booking: Booking | None,
-                  call: Call, started: float) -> Call:
-        self._spent(batch, call, booking, replied=True)
+    def _replied(self, batch: list[dict], booking: Booking | None, result: Call | ScoringError,
+                 started: float) -> Feedback:
+        """Count the call (spend, metrics, latency, the breaker); what its limiter learns."""
         latency_s = time.monotonic() - started
-        metrics.record_request(self.config.name, call.status_code, latency_s)
-        if self.observe is not None:
-            self.observe(latency_s)
-        self._learn(grant, call, failed=False)
-        return call
+        if isinstance(result, ScoringError):
+            self._spent(batch, None, booking, replied=200 <= (result.status_code or 0) < 300)
+            metrics.record_request(self.config.name, result.status_code, latency_s,
+                                   "timeout" if result.timed_out else "error")
+        else:
+            self._spent(batch, result, booking, replied=True)
+            metrics.record_request(self.config.name, result.status_code, latency_s)
+            if self.observe is not None:
+                self.observe(latency_s)
+        if self.breaker is not None:  # a 429 counts as alive: flow control handles it
+            failed = isinstance(result, TransientError)
+            self.breaker.failure() if failed else self.breaker.success()
+        # read only when a limiter is there to learn it
+        return self.client.feedback(result) if self.limiter is not None else NO_FEEDBACK
 
-    def _failed(self, batch: list[dict], grant: Grant | None, booking: Booking | None,
-                exc: BaseException, started: float) -> None:
-        """Account for a call that raised `exc` (re-raised by the caller): a ScoringError's
-        reply is learned from, and its RateLimited told whether the limiter paced it."""
-        if not isinstance(exc, ScoringError):
-            self._spent(batch, None, booking, replied=False)
-            if grant is not None:
-                grant.finish()
-            return
-        self._spent(batch, None, booking, replied=200 <= (exc.status_code or 0) < 300)
-        metrics.record_request(self.config.name, exc.status_code, time.monotonic() - started,
-                               "timeout" if exc.timed_out else "error")
-        reading = self._learn(grant, exc, failed=isinstance(exc, TransientError))
-        if isinstance(exc, RateLimited):
-            exc.flow_control = reading.flow_control
+    @staticmethod
+    def _concluded(result: Call | ScoringError, reading: Reading) -> Call:
+        """The call, or its error raised: a RateLimited told whether the limiter paced it."""
+        if isinstance(result, Call):
+            return result
+        if isinstance(result, RateLimited):
+            result.flow_control = reading.flow_control
         if reading.pause_s:  # the limiter holds everyone back: no wait of the caller's own
-            exc.retry_after_s = 0.0
+            result.retry_after_s = 0.0
+        raise result
 
     def _spent(self, batch: list[dict], call: Call | None, booking: Booking | None,
                replied: bool) -> None:

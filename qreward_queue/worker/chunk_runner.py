@@ -1,13 +1,17 @@
-"""One run of a chunk: each of its calls made once, concurrently, on the process's call pool
-(grants booked in bulk), through the call path; what became of each sample."""
+"""One run of a chunk: each of its calls made once, concurrently, through the call path (on
+the process's call loop for an HTTP kind, on the call pool's threads for a local one), grants
+booked in bulk; what became of each sample (`ChunkResult`)."""
 
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 from ..backends import Call
 from ..config import Backend
@@ -24,22 +28,49 @@ from ..flow.breaker import CircuitBreaker
 from ..flow.limiter import Grant, Limiter
 from ..flow.spend import Ledger
 from ..samples import Outcome
-from .call_loop import call_loop, runs_on_loop
+from .call_loop import Slots, call_loop
 from .call_path import MAX_LIMITER_WAIT_S, CallPath
 from .call_pool import CallPool, InFlight, call_pool
 from .retry import RetryPolicy, Tries, time_left_s
+
+# A call still running when every other call of its chunk has ended is a straggler once it
+# has taken this many times the chunk's median latency (and at least STRAGGLER_MIN_S): the
+# task then returns and its Celery slot takes other work while the call goes on (its outcome
+# is recorded when it ends, and the task comes back for it once the call has surely ended).
+STRAGGLER_FACTOR = 4.0
+STRAGGLER_MIN_S = 1.0
+STRAGGLER_SHARE = 0.1  # at most this share of a chunk's calls (at least one) is handed off
+HANDOFF_GRACE_S = 1.0  # past a handed-off call's timeout: its outcome is recorded by then
+STRAGGLER_CHECK_S = 0.25
+
+
+@dataclass
+class ChunkResult:
+    """What became of each sample of a chunk run.
+
+    `outcomes`: an Outcome per sample, None where not tried (the limiter asked for a long
+    wait, see `busy_s`; not done just before the batch deadline, so that the results of its
+    chunk-mates still reach the client in time) or handed off. `retryable`: positions worth
+    another try. `over_budget`: a call was refused by the budget. `handed_off`: positions of
+    stragglers whose calls go on after the run returned (their outcomes are recorded as they
+    end); `handoff_s`: how long until each of those calls has surely ended.
+    """
+
+    outcomes: list[Outcome | None]
+    retryable: set[int] = field(default_factory=set)
+    busy_s: float | None = None
+    over_budget: bool = False
+    handed_off: set[int] = field(default_factory=set)
+    handoff_s: float = 0.0
 
 
 class ChunkRunner:
     """Makes each call of one chunk once, concurrently, under the breaker and the limiter.
 
-    Afterwards `outcomes` holds an Outcome per sample (None: not tried, because the limiter
-    asked for a long wait, see `busy_s`, or not done just before the batch deadline, so that
-    the results of its chunk-mates still reach the client in time) and `retryable` the
-    positions worth another try. `stop()` names why no new call may start (the batch was
-    cancelled or its caller is gone; asked before each call), and `record({position:
-    outcome})` gets each call's final outcomes together as it ends. Each call's tokens go to
-    `ledger`, which also refuses calls over the backend's budget (`over_budget` then says so).
+    `stop()` names why no new call may start (the batch was cancelled or its caller is gone;
+    asked before each call), and `record({position: outcome})` gets each call's final
+    outcomes together as it ends. Each call's tokens go to `ledger`, which also refuses calls
+    over the backend's budget.
     """
 
     def __init__(
@@ -60,24 +91,22 @@ class ChunkRunner:
         self.stop, self.record = stop, record
         self.path = CallPath(config, limiter, breaker, may_refuse, stop, ledger, batch_id)
         self.policy = RetryPolicy(config.retry)
-        self.busy_s: float | None = None
-        self.outcomes: list[Outcome | None] = []
-        self.retryable: set[int] = set()
+        self.result = ChunkResult([])
 
-    @property
-    def over_budget(self) -> bool:
-        return self.path.over_budget
-
-    def run(self, samples: list[dict]) -> ChunkRunner:
-        self.outcomes = [None] * len(samples)
-        client = self.path.client
-        calls = deque(client.split(samples))
-        if len(calls) == 1:  # one call (a function chunk, one batch): no thread hop
+    def run(self, samples: list[dict]) -> ChunkResult:
+        self.result = ChunkResult([None] * len(samples))
+        calls = deque(self.path.client.split(samples))
+        if len(calls) == 1:  # one call (a function chunk, one batch): no hop
             self._run_call(samples, calls[0], None)
-            return self
-        if runs_on_loop(self.config, self.limiter):
+        elif self.path.client.awaitable:
             call_loop().run(self._run_on_loop(samples, list(calls)), time_left_s(self.deadline))
-            return self
+        else:
+            self._run_on_pool(samples, calls)
+        self.result.over_budget = self.path.over_budget
+        return self.result
+
+    def _run_on_pool(self, samples: list[dict], calls: deque[list[int]]) -> None:
+        client = self.path.client
         pool = call_pool(self.config)
         self.path.observe = pool.observe
         running = InFlight()
@@ -88,7 +117,7 @@ class ChunkRunner:
             try:
                 grants = self._grants(slots, tokens)
             except LimiterBusy as busy:
-                self.busy_s = busy.wait_s
+                self.result.busy_s = busy.wait_s
                 pool.give(slots)
                 break
             pool.give(slots - len(grants))
@@ -100,7 +129,6 @@ class ChunkRunner:
         finally:
             if self.limiter is not None:
                 self.limiter.flush()  # finishes held back to be sent together go now
-        return self
 
     def _grants(self, count: int, tokens: float) -> list[Grant | None]:
         if self.limiter is None:
@@ -115,26 +143,56 @@ class ChunkRunner:
             pool.give()
 
     async def _run_on_loop(self, samples: list[dict], calls: list[list[int]]) -> None:
-        """Each call on the call loop, as many at once as its gate lets through; a call that
-        must wait (a 429's Retry-After) or be split goes on on a thread of its own."""
-        gate = call_loop().gate(self.config)
+        """Each call on the call loop, as many at once as the process's slots for the backend
+        let through, their grants booked together; a call that must wait (a 429's
+        Retry-After) or be split goes on on a thread of its own. Returns once every call has
+        ended or only stragglers are left (`_stragglers`)."""
+        slots = call_loop().slots(self.config)
+        self.path.observe = slots.observe
+        todo, running = deque(calls), _Running()
+        while todo and not self._halted() and not self.stop():
+            count = await slots.take(len(todo))
+            try:
+                grants = await self._grants_async(count, [samples[i] for i in todo[0]])
+            except LimiterBusy as busy:
+                self.result.busy_s = busy.wait_s
+                slots.give(count)
+                break
+            slots.give(count - len(grants))
+            for grant in grants:
+                positions = todo.popleft()
+                running.start(positions, self._one(slots, running, samples, positions, grant))
+        await running.until_stragglers(len(calls), self.config.timeout_s)
+        self.result.handed_off = {i for positions in running.left for i in positions}
+        self.result.handoff_s = running.handoff_s
 
-        async def one(positions: list[int]) -> None:
-            async with gate:
-                if self._halted():
+    async def _grants_async(self, count: int, first: list[dict]) -> list[Grant | None]:
+        if self.limiter is None:
+            return [None] * count
+        tokens = self.path.client.estimate_tokens(first)
+        return list(await self.limiter.reserve_async(count, tokens, MAX_LIMITER_WAIT_S))
+
+    async def _one(self, slots: Slots, running: _Running, samples: list[dict],
+                   positions: list[int], grant: Grant | None) -> None:
+        """One call on the loop."""
+        try:
+            if self._halted():
+                if grant is not None:
+                    grant.finish()
+                return
+            started = time.monotonic()
+            try:
+                result: Call | ScoringError = await self.path.call_async(
+                    [samples[i] for i in positions], grant)
+            except ScoringError as exc:
+                if self._goes_on(positions, exc):
+                    running.unbounded()  # its end is no longer bounded by the call's timeout
+                    await asyncio.to_thread(self._run_call, samples, positions, None, exc)
                     return
-                batch = [samples[i] for i in positions]
-                started = time.monotonic()
-                try:
-                    result: Call | ScoringError = await self.path.call_async(batch)
-                except ScoringError as exc:
-                    if self._goes_on(positions, exc):
-                        await asyncio.to_thread(self._run_call, samples, positions, None, exc)
-                        return
-                    result = exc
-                self._settle(positions, result, self.attempt, _ms_since(started))
-
-        await asyncio.gather(*(one(positions) for positions in calls))
+                result = exc
+            self._settle(positions, result, self.attempt, _ms_since(started))
+        finally:
+            slots.give()
 
     def _goes_on(self, positions: list[int], error: ScoringError) -> bool:
         """Whether a call that ended with `error` is made again here: after a 429's wait, or
@@ -145,7 +203,7 @@ class ChunkRunner:
 
     def _halted(self) -> bool:
         """No call of the chunk starts past its deadline or after a long limiter wait."""
-        return self.busy_s is not None or self._past_deadline()
+        return self.result.busy_s is not None or self._past_deadline()
 
     def _past_deadline(self) -> bool:
         return time_left_s(self.deadline) == 0.0
@@ -163,7 +221,7 @@ class ChunkRunner:
                     raise error
                 call = self.path.call(batch, grant)
             except LimiterBusy as busy:  # a retry could not start soon: leave it for later
-                self.busy_s = busy.wait_s
+                self.result.busy_s = busy.wait_s
                 return
             except RateLimited as exc:  # again after its wait, while attempts and time remain
                 grant = None
@@ -192,23 +250,66 @@ class ChunkRunner:
     def _settle(self, positions: list[int], result: Call | ScoringError, attempts: int,
                 latency_ms: float) -> None:
         """Each position's outcome of its call; the final ones recorded at once."""
-        name = self.config.name
+        name, outcomes = self.config.name, self.result.outcomes
         if isinstance(result, ScoringError):
             for i in positions:
-                self.outcomes[i] = Outcome.failed(result, name, attempts, latency_ms)
+                outcomes[i] = Outcome.failed(result, name, attempts, latency_ms)
                 if isinstance(result, RetryableError):
-                    self.retryable.add(i)
+                    self.result.retryable.add(i)
         else:
             details = result.details or [None] * len(positions)
             for i, score, detail in zip(positions, result.scores, details, strict=True):
-                self.outcomes[i] = (
+                outcomes[i] = (
                     Outcome.failed(score, name, attempts, latency_ms)
                     if isinstance(score, ScoringError)
                     else Outcome(score, "ok", name, attempts, latency_ms, detail=detail)
                 )
         if self.record is not None and not isinstance(result, (RetryableError, Cancelled)):
-            self.record({i: o for i in positions if (o := self.outcomes[i]) is not None})
+            self.record({i: o for i in positions if (o := outcomes[i]) is not None})
 
 
 def _ms_since(started: float) -> float:
     return round((time.monotonic() - started) * 1000, 1)
+
+
+class _Running:
+    """The calls of one chunk running on the loop: waited for until all have ended or only
+    stragglers are left, which go on after the chunk's run returns."""
+
+    def __init__(self) -> None:
+        self._calls: dict[asyncio.Future[None], tuple[list[int], float]] = {}
+        self._latencies: list[float] = []
+        self._unbounded = False
+        self.left: list[list[int]] = []
+        self.handoff_s = 0.0
+
+    def start(self, positions: list[int], call: Coroutine[Any, Any, None]) -> None:
+        self._calls[asyncio.ensure_future(call)] = (positions, time.monotonic())
+
+    def unbounded(self) -> None:
+        """A call goes on past its timeout (a 429's wait on a thread): none is handed off."""
+        self._unbounded = True
+
+    async def until_stragglers(self, calls: int, timeout_s: float) -> None:
+        while self._calls:
+            done, _ = await asyncio.wait(self._calls, timeout=STRAGGLER_CHECK_S,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            now = time.monotonic()
+            for task in done:
+                _, started = self._calls.pop(task)
+                task.result()  # a bug in a call is raised in the chunk's task
+                self._latencies.append(now - started)
+            if self._calls and self._stragglers(calls, now):
+                self.left = [positions for positions, _ in self._calls.values()]
+                oldest = min(started for _, started in self._calls.values())
+                self.handoff_s = max(0.0, oldest + timeout_s - now) + HANDOFF_GRACE_S
+                return
+
+    def _stragglers(self, calls: int, now: float) -> bool:
+        """Whether the calls still running are few and far slower than the rest."""
+        if self._unbounded or not self._latencies:
+            return False
+        if len(self._calls) > max(1, int(STRAGGLER_SHARE * calls)):
+            return False
+        slow_s = max(STRAGGLER_MIN_S, STRAGGLER_FACTOR * statistics.median(self._latencies))
+        return all(now - started >= slow_s for _, started in self._calls.values())

@@ -1,9 +1,11 @@
 """The Celery glue of the worker side: the score_chunk task, which runs a chunk and does what
 the retry policy decides with what is left.
 
-score_chunk (message.py: its kwargs) -> ChunkRunner (chunk_runner.py): the chunk's calls on
-    the process's call pool (call_pool.py), each through breaker, limiter, clearance and
-    transport (call_path.py); a 429 is tried again in its call (retry.py)
+score_chunk (message.py: its kwargs, checked) -> ChunkRunner (chunk_runner.py): the chunk's
+    calls on the process's call loop (call_loop.py; a local kind's on the call pool,
+    call_pool.py), each through breaker, limiter, clearance and transport (call_path.py); a
+    429 is tried again in its call (retry.py); a straggler is handed off (its call goes on,
+    the task comes back for it)
 -> RetryPolicy.decide (retry.py, pure): what becomes of what is left: wait out a long limiter
    wait, retry here after a backoff, fail over onto a sibling backend's queue, or give up with
    explicit outcomes
@@ -14,13 +16,14 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from functools import partial, wraps
+from typing import Any
 
 import redis
 
 from .. import records
 from ..errors import Cancelled, DeadlineExceeded, TransientError
 from ..flow import capacity
-from ..message import TASK_NAME, summary
+from ..message import TASK_NAME, ChunkMessage, summary
 from ..ops import liveness, metrics
 from ..samples import Outcome
 from ..trainer.routing import failover_target
@@ -33,69 +36,65 @@ RESULT_REPR_CHARS = 200
 MAX_TASK_RETRIES = 100
 
 
-def score_chunk(
-    self,
-    backend: str,
-    samples: list[dict],
-    route: list[str] | None = None,
-    deadline: float | None = None,
-    done: list[dict | None] | None = None,
-    tried: list[str] | None = None,
-    attempt: int = 1,
-    batch: str | None = None,
-    indices: list[int] | None = None,
-) -> list[dict]:
-    """Score `samples` on `backend`; one outcome dict per sample, in input order.
+def score_chunk(self, **kwargs: Any) -> list[dict]:
+    """Score a chunk's samples on its backend; one outcome dict per sample, in input order
+    (the kwargs: `message.ChunkMessage`).
 
     `done` carries outcomes settled by earlier runs of this task (after a backoff, a long
-    limiter wait or a failover), so a retried task scores only what is left. `batch` and
-    `indices` (the samples' places in it) tie the task to its batch's lease (no call for a
-    batch nobody waits for) and per-sample records (no call for a sample already scored).
+    limiter wait, a failover or a straggler's hand-off), so a retried task scores only what is
+    left. `batch` and `indices` (the samples' places in it) tie the task to its batch's lease
+    (no call for a batch nobody waits for) and per-sample records (no call for a sample
+    already scored).
     """
-    app = self.app
+    msg = ChunkMessage.from_kwargs(kwargs)
+    app, backend, samples = self.app, msg.backend, msg.samples
     config = app.backend_config(backend)
-    done = list(done) if done else [None] * len(samples)
+    done: list[dict | None] = list(msg.done) if msg.done else [None] * len(samples)
     todo = [i for i, o in enumerate(done) if o is None]
     _requeued(app, config.queue, -len(todo))
-    stop = partial(app.batch_watch.stop_reason, batch)
+    stop = partial(app.batch_watch.stop_reason, msg.batch)
     recorder = None
-    if batch is not None and indices is not None and len(indices) == len(samples):
-        todo = _skip_recorded(app, batch, indices, todo, done)
-        recorder = records.Recorder(app.store, batch, deadline)
+    if msg.batch is not None and msg.indices is not None:
+        todo = _skip_recorded(app, msg.batch, msg.indices, todo, done)
+        recorder = records.Recorder(app.store, msg.batch, msg.deadline)
+    attempt = msg.attempt
     why = stop()
     if why:  # a queued chunk of a cancelled or abandoned batch: dropped, nothing called
         return _cancelled(done, todo, why, backend, attempt)
-    siblings = [b for b in (route or []) if b != backend and b not in (tried or [])]
-    breaker = app.breaker(backend) if len(route or ()) > 1 else None
+    siblings = [b for b in msg.route if b != backend and b not in msg.tried]
+    breaker = app.breaker(backend) if len(msg.route) > 1 else None
     left: dict[int, Outcome | None] = {}
+    handoff_s = 0.0
     unusable = config.missing_api_key()
     if unusable:  # a backend-level failure: no call is made, the work fails over at once
         left = {pos: Outcome.failed(TransientError(unusable), backend, attempt) for pos in todo}
         busy_s, circuit_open, attempt = None, True, max(attempt, config.retry.attempts)
     else:
-        record = None if recorder is None else (
+        indices = msg.indices
+        record = None if recorder is None or indices is None else (
             lambda outcomes: recorder.record_all(
                 {indices[todo[k]]: o.to_dict() for k, o in outcomes.items()}))
         try:
-            runner = ChunkRunner(
-                config, app.limiter(backend), breaker, attempt, bool(siblings), deadline,
-                stop, record, app.ledger(backend), batch,
+            result = ChunkRunner(
+                config, app.limiter(backend), breaker, attempt, bool(siblings), msg.deadline,
+                stop, record, app.ledger(backend), msg.batch,
             ).run([samples[i] for i in todo])
         finally:
             app.ledger(backend).flush()
             if recorder is not None:
                 recorder.flush()
         for k, pos in enumerate(todo):
-            outcome = runner.outcomes[k]
-            if outcome is None or k in runner.retryable:
-                left[pos] = outcome
+            outcome = result.outcomes[k]
+            if outcome is None or k in result.retryable or k in result.handed_off:
+                left[pos] = None if k in result.handed_off else outcome
             else:
                 done[pos] = outcome.to_dict()
-        busy_s, circuit_open = runner.busy_s, breaker is not None and breaker.is_open()
+        handoff_s = result.handoff_s if result.handed_off else 0.0
+        busy_s, circuit_open = result.busy_s, breaker is not None and breaker.is_open()
         # over budget: a sibling may take the work at once; without one the budget's error
         # stands (waiting here would not make the budget any larger)
-        circuit_open = circuit_open or runner.over_budget
-        if runner.over_budget and not siblings:
+        circuit_open = circuit_open or result.over_budget
+        if result.over_budget and not siblings:
             attempt = max(attempt, config.retry.attempts)
     why = stop() if left else None
     if why:  # nobody waits for what is left: no retry, no failover
@@ -103,33 +102,40 @@ def score_chunk(
     nxt = RetryPolicy(config.retry).decide(
         len(left),
         attempt,
-        time_left_s(deadline),
+        time_left_s(msg.deadline),
         busy_s,
         bool(siblings),
         bool(siblings) and circuit_open,
     )
+    if handoff_s:
+        # stragglers' calls go on after this run: the task comes back once they have surely
+        # ended (their outcomes recorded) and settles them with whatever else is left
+        metrics.record_retry(backend, "straggler")
+        _requeued(app, config.queue, len(left))
+        raise self.retry(kwargs=msg.retried(done=done, attempt=attempt + 1),
+                         countdown=max(handoff_s, nxt.countdown), **summary(backend, samples))
     if nxt.action == "done":
-        return done
+        return _settled(done)
     if nxt.action in ("wait", "retry"):  # no sample is tried here more than attempts allow
-        for pos in [p for p, o in left.items() if o and o.attempts >= config.retry.attempts]:
-            done[pos] = left.pop(pos).to_dict()
-            done[pos]["error"] += (f" (gave up after {done[pos]['attempts']} attempt(s) on "
-                                   f"{backend!r}: its [retry] attempts are spent)")
+        for pos, outcome in list(left.items()):
+            if outcome is not None and outcome.attempts >= config.retry.attempts:
+                del left[pos]
+                done[pos] = _noted(outcome, f" (gave up after {outcome.attempts} attempt(s) "
+                                            f"on {backend!r}: its [retry] attempts are spent)")
         if not left:
-            return done
-    kwargs = dict(self.request.kwargs, done=done)
+            return _settled(done)
     if nxt.action in ("wait", "retry"):
         metrics.record_retry(backend, "limiter_busy" if nxt.action == "wait" else "backoff")
-        if nxt.action == "retry":
-            kwargs["attempt"] = attempt + 1
         _requeued(app, config.queue, len(left))
-        raise self.retry(kwargs=kwargs, countdown=nxt.countdown, **summary(backend, samples))
+        raise self.retry(kwargs=msg.retried(
+            done=done, attempt=attempt + 1 if nxt.action == "retry" else attempt),
+            countdown=nxt.countdown, **summary(backend, samples))
     if nxt.action == "failover":
         target = failover_target(siblings, *capacity.of(app, siblings), len(left))
         metrics.record_retry(backend, "failover", to=target)
         _requeued(app, app.backend_config(target).queue, len(left))
         raise self.retry(
-            kwargs=dict(kwargs, backend=target, attempt=1, tried=[*(tried or []), backend]),
+            kwargs=msg.retried(done=done, backend=target, attempt=1, tried=[*msg.tried, backend]),
             queue=app.backend_config(target).queue,
             countdown=0,
             **summary(target, samples),
@@ -137,13 +143,24 @@ def score_chunk(
     tried_here = "no call made" if unusable else f"gave up after {attempt} attempt(s)"
     note = f" ({tried_here} on {backend!r}; {nxt.why})"
     for pos, outcome in left.items():
-        done[pos] = (
-            outcome
-            if outcome is not None
-            else Outcome.failed(DeadlineExceeded("not tried before the deadline"), backend, attempt)
-        ).to_dict()
-        done[pos]["error"] += note
-    return done
+        done[pos] = _noted(outcome or Outcome.failed(
+            DeadlineExceeded("not tried before the deadline"), backend, attempt), note)
+    return _settled(done)
+
+
+def _noted(outcome: Outcome, note: str) -> dict:
+    """The outcome's dict with `note` added to its error."""
+    settled = outcome.to_dict()
+    settled["error"] += note
+    return settled
+
+
+def _settled(done: list[dict | None]) -> list[dict]:
+    """The task's result: every sample's outcome (a bug if one is missing)."""
+    result = [o for o in done if o is not None]
+    if len(result) != len(done):
+        raise RuntimeError(f"score_chunk: {len(done) - len(result)} sample(s) left unsettled")
+    return result
 
 
 def _skip_recorded(app, batch: str, indices: list[int], todo: list[int],
@@ -163,7 +180,7 @@ def _cancelled(done: list[dict | None], positions: list[int], why: str, backend:
                attempt: int) -> list[dict]:
     for pos in positions:
         done[pos] = Outcome.failed(Cancelled(why), backend, attempt).to_dict()
-    return done  # type: ignore[return-value]
+    return _settled(done)
 
 
 def _requeued(app, queue: str, n: int) -> None:
