@@ -8,7 +8,8 @@ S1  one backend: the mock judge allows 3000 rpm (one second's worth, 50, in its 
     max_concurrent 64: 3 x 50/s x 0.2 s = 30 in flight, 15 threads each).
 S2  shared limit and faults: the same judge, which also answers 3% of calls with a 500 and lets
     0.5% hang past the 10 s call timeout; an untuned backend file (no [pool] table, as README
-    advises); 4 trainer processes each submit 256 samples at the same moment; 2 workers serve. Baselines (b), (c), (d) run as 4 processes too, each configured
+    advises); 4 trainer processes each submit 256 samples at the same moment; 2 workers serve.
+    Baselines (b), (c), (d) run as 4 processes too, each configured
     with the full limit, as separate trainers would be.
 S3  wrong limits: the backend file says rpm 6000, the judge enforces 3000; 2,048 samples. The
     judge's counters are read at t = 10 s so that 429s and throughput are reported for the first

@@ -187,6 +187,44 @@ def test_malformed_task_messages_are_dead_lettered_and_the_worker_keeps_consumin
         "raw", *(f"poison-{i}" for i in reversed(range(len(POISON_BODIES))))]
 
 
+BAD_KWARGS = [
+    {"backend": "j", "samples": "abc"},
+    {"backend": "j", "samples": [1, 2, 3]},
+    {"backend": "j", "samples": [{"prompt": "p", "response": "r"}], "batch": "b",
+     "indices": [0, 1]},
+    {"backend": "j", "samples": [{"prompt": "p", "response": "r"}], "attempt": "x"},
+]
+
+
+def test_a_task_message_breaking_the_chunk_contract_takes_nothing_and_is_dead_lettered(
+    tmp_path, redis_url, redis_client, stack
+):
+    # Given one worker on a judge's queue
+    _, app, worker = judge_and_worker(tmp_path, redis_url, stack, "kwargs@chaos")
+    # When well-formed task messages whose kwargs break score_chunk's contract arrive, more
+    # of them than the worker has call slots
+    for _ in range(10):
+        for kwargs in BAD_KWARGS:
+            app.send_task("qrq.score_chunk", kwargs=kwargs, queue="qrq.j", priority=0)
+    wait_for(lambda: redis_client.llen("qrq:dead-letters") >= 10 * len(BAD_KWARGS), 30,
+             "the malformed messages to be dead-lettered")
+    # Then each is kept with the field it breaks named, and the worker, alive, with all its
+    # call slots, scores a normal batch behind them
+    from qreward_queue.ops import dead_letter
+
+    reasons = {d["reason"] for d in dead_letter.read(redis_client, 1000)}
+    assert reasons == {
+        "malformed task message: kwargs: samples must be a list of sample objects",
+        "malformed task message: kwargs: indices must be a list of sample positions, one per "
+        "sample",
+        "malformed task message: kwargs: attempt must be a whole number >= 1",
+    }, reasons
+    samples = samples_for(64, "after-bad-kwargs")
+    outcomes = qreward_queue.submit_batch(samples, route="j", app=app, deadline_s=60).outcomes()
+    assert worker.proc.poll() is None, worker.log.read_text()[-3000:]
+    assert_all_right(app, "j", samples, outcomes)
+
+
 class HostileServer:
     """A backend of the tests' own on 127.0.0.1: `respond(request_json, headers)` returns
     (status, content type, body text[, reply headers]) for each POST, whatever the path;
