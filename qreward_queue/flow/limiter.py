@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 MAX_PENDING = 32  # finishes sent together at most
-LOOP_FINISH_DELAY_S = 0.01  # on the call loop, successes are finished together within this
+LOOP_FINISH_DELAY_S = 0.02  # on the call loop, successes are finished together within this
 MIN_BLOCK_S = 0.002  # the shortest wait for a released lease
 CORROBORATE = 3  # replies that must agree before a limit below the configured one is believed
 CLAIM_WINDOW_S = 60.0  # ... each within this long of the one before (or a 429 saying it)
@@ -172,20 +172,21 @@ class Grant:
     def learn(self, feedback: Feedback) -> Reading:
         """`finish` with what a backend's kind read from its reply (`BackendClient.feedback`):
         the tokens it reports settle the call's booking."""
-        return self._limiter._drive(self._learn(feedback))
+        return self._limiter._drive(self._learn(feedback, self._limiter.finish_delay_s))
 
     async def learn_async(self, feedback: Feedback) -> Reading:
         """`learn` on the call loop: a success waits up to LOOP_FINISH_DELAY_S to be sent
         with others (one script for many calls)."""
-        return await self._limiter._learn_async(self._learn(feedback))
+        limiter = self._limiter
+        return await limiter._learn_async(self._learn(feedback, limiter.loop_finish_delay_s))
 
-    def _learn(self, feedback: Feedback) -> _Steps[Reading]:
+    def _learn(self, feedback: Feedback, delay_s: float) -> _Steps[Reading]:
         if self.finished:
             return Reading()
         self.finished = True
         used = self._used_tokens if feedback.tokens is None else feedback.tokens
         refund = 0.0 if used is None else self.tokens - used
-        return (yield from self._limiter._finish([self.holder], feedback, refund))
+        return (yield from self._limiter._finish([self.holder], feedback, refund, delay_s))
 
 
 class Limiter:
@@ -278,15 +279,19 @@ class Limiter:
         by any process (finish.lua announces each release); raises `LimiterBusy` when not even
         one call could start within ``max_wait_s``.
         """
-        return self._drive(self._reserve(count, tokens, max_wait_s))
+        # leases this process released are free before it books more
+        return self._drive(self._reserve(count, tokens, max_wait_s, flush_first=True))
 
     async def reserve_async(self, count: int, tokens: float = 0,
                             max_wait_s: float = 30.0) -> list[Grant]:
-        """`reserve` on an event loop."""
-        return await self._drive_async(self._reserve(count, tokens, max_wait_s))
+        """`reserve` on an event loop; the finishes held back go at their own time (within
+        LOOP_FINISH_DELAY_S), so that one script carries many calls' finishes."""
+        return await self._drive_async(self._reserve(count, tokens, max_wait_s, False))
 
-    def _reserve(self, count: int, tokens: float, max_wait_s: float) -> _Steps[list[Grant]]:
-        yield from self._flush()  # leases this process released are free before it books more
+    def _reserve(self, count: int, tokens: float, max_wait_s: float,
+                 flush_first: bool) -> _Steps[list[Grant]]:
+        if flush_first:
+            yield from self._flush()
         prefix = uuid.uuid4().hex
         deadline = time.monotonic() + max_wait_s
         limits = [dict(lim, cost=1 if lim["name"] == "rpm" else tokens) for lim in self._limits]
@@ -313,18 +318,19 @@ class Limiter:
 
     def learn(self, feedback: Feedback) -> Reading:
         """`feedback` with what a backend's kind read from its reply (see `Grant.learn`)."""
-        return self._drive(self._finish([], feedback, 0.0))
+        return self._drive(self._finish([], feedback, 0.0, self.finish_delay_s))
 
     async def learn_async(self, feedback: Feedback) -> Reading:
         """`learn` on the call loop."""
-        return await self._learn_async(self._finish([], feedback, 0.0))
+        return await self._learn_async(
+            self._finish([], feedback, 0.0, self.loop_finish_delay_s))
 
     async def _learn_async(self, steps: _Steps[Reading]) -> Reading:
         reading = await self._drive_async(steps)
         if self._pending and not self._flush_scheduled:  # successes held back: sent soon
             self._flush_scheduled = True
             loop = asyncio.get_running_loop()
-            loop.call_later(max(self.finish_delay_s, LOOP_FINISH_DELAY_S),
+            loop.call_later(self.loop_finish_delay_s,
                             lambda: loop.create_task(self.flush_async()))
         return reading
 
@@ -370,17 +376,23 @@ class Limiter:
                 return
             yield _Sleep(extra_ms / 1000)
 
-    def _finish(self, holders: list[str], feedback: Feedback, refund: float) -> _Steps[Reading]:
+    @property
+    def loop_finish_delay_s(self) -> float:
+        return max(self.finish_delay_s, LOOP_FINISH_DELAY_S)
+
+    def _finish(self, holders: list[str], feedback: Feedback, refund: float,
+                delay_s: float) -> _Steps[Reading]:
         """A 429 of an exhausted rate pauses the backend for everyone for Retry-After (else the
         reset of the exhausted limit; without either, no one: each call backs off with
         jitter). A 429 while the headers say requests and tokens are left is congestion (a
-        concurrency limit below the configured one): it cuts the adaptive concurrency like a
-        timeout does, and pauses no one. A 429 that says neither cuts the concurrency and
-        pauses only for a usable Retry-After. Successes grow the concurrency. Returns what it
-        made of the reply.
+        concurrency limit below the configured one): it cuts the adaptive concurrency (as
+        timeouts on a share of recent calls do; see finish.lua), and pauses no one. A 429 that
+        says neither cuts the concurrency and pauses only for a usable Retry-After. Successes
+        grow the concurrency. Returns what it made of the reply.
 
-        Successes may wait up to ``finish_delay_s`` to be sent together (embedded mode, where
-        every script costs interpreter time); anything else is sent at once, with them.
+        Successes may wait up to `delay_s` to be sent together (on the call loop, where one
+        script then carries many calls; in embedded mode, where every script costs
+        interpreter time); anything else is sent at once, with them.
         """
         h = feedback.told
         if h.bounded:
@@ -412,8 +424,8 @@ class Limiter:
             return Reading()
         with self._lock:
             self._pending.append(call)
-            due = (event != "ok" or not self.finish_delay_s or len(self._pending) >= MAX_PENDING
-                   or time.monotonic() - self._pending_since >= self.finish_delay_s)
+            due = (event != "ok" or not delay_s or len(self._pending) >= MAX_PENDING
+                   or time.monotonic() - self._pending_since >= delay_s)
             if len(self._pending) == 1:
                 self._pending_since = time.monotonic()
         if due:
