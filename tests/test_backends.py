@@ -603,3 +603,35 @@ def test_default_judge_file_bounds_scores_to_the_template_scale(tmp_path):
     assert load_backend(path).score_range == (0.0, 1.0)
     path.write_text(path.read_text() + 'prompt_template = "Rate 1-10: {response}"\n')
     assert load_backend(path).score_range is None
+
+
+# --- ChunkRunner: every slot a chunk takes goes back, whatever raises -----------------------
+
+@pytest.mark.parametrize("on_loop", [True, False])
+def test_slots_go_back_when_booking_a_chunks_grants_raises(judge, monkeypatch, on_loop):
+    import fakeredis
+
+    from qreward_queue.flow.limiter import Limiter
+    from qreward_queue.worker import call_loop, call_pool
+
+    config = judge_config(judge.url)
+    client = make_backend(config)
+    if not on_loop:  # the call pool's threads (a kind that is not awaitable)
+        monkeypatch.setattr(type(client), "awaitable", False)
+
+    def broken_estimate(samples: list[dict]) -> int:
+        raise TypeError("estimate of a malformed sample")
+
+    monkeypatch.setattr(client, "estimate_tokens", broken_estimate)
+    limiter = Limiter(fakeredis.FakeRedis(), config.name, rpm=60_000, max_concurrent=64)
+    for _ in range(3):  # more times than a self-sizing pool has slots to lose
+        with pytest.raises(TypeError, match="estimate of a malformed sample"):
+            ChunkRunner(config, limiter, None, 1).run([sample(i) for i in range(8)])
+    if on_loop:
+        slots = call_loop.call_loop().slots(config)
+        assert slots._used == 0
+    else:
+        assert call_pool.call_pool(config)._used == 0
+    monkeypatch.undo()
+    result = ChunkRunner(config, limiter, None, 1).run([sample(i) for i in range(8)])
+    assert [o.status for o in result.outcomes] == ["ok"] * 8

@@ -112,14 +112,17 @@ class ChunkRunner:
         running = InFlight()
         while calls and not self._halted() and not self.stop():
             slots = pool.take(len(calls))
-            tokens = max(client.estimate_tokens([samples[i] for i in calls[k]])
-                         for k in range(slots)) if self.limiter else 0
             try:
+                tokens = max(client.estimate_tokens([samples[i] for i in calls[k]])
+                             for k in range(slots)) if self.limiter else 0
                 grants = self._grants(slots, tokens)
             except LimiterBusy as busy:
                 self.result.busy_s = busy.wait_s
                 pool.give(slots)
                 break
+            except BaseException:  # the slots go back whatever went wrong
+                pool.give(slots)
+                raise
             pool.give(slots - len(grants))
             for grant in grants:
                 call = partial(self._slot, pool, samples, calls.popleft(), grant)
@@ -158,6 +161,9 @@ class ChunkRunner:
                 self.result.busy_s = busy.wait_s
                 slots.give(count)
                 break
+            except BaseException:  # the slots go back whatever went wrong
+                slots.give(count)
+                raise
             slots.give(count - len(grants))
             for grant in grants:
                 positions = todo.popleft()
