@@ -11,6 +11,11 @@ S2  shared limit and faults: the same judge, which also answers 3% of calls with
     advises); 4 trainer processes each submit 256 samples at the same moment; 2 workers serve.
     Baselines (b), (c), (d) run as 4 processes too, each configured
     with the full limit, as separate trainers would be.
+S4  a judge that really degrades: no rate limit, latency 200 ms that doubles while more than 32
+    requests are in flight (so 32 in flight is its best throughput, 160/s); the backend file
+    says max_concurrent 64, rpm 60000 (neither binds), untuned; 2,048 samples. Its best
+    throughput is measured in the same run by an asyncio client holding 32 in flight (b32):
+    qrq should settle within 10% of it.
 S3  wrong limits: the backend file says rpm 6000, the judge enforces 3000; 2,048 samples. The
     judge's counters are read at t = 10 s so that 429s and throughput are reported for the first
     10 s and for the rest. Baselines (c) and (d) are configured with the file's 6000 too.
@@ -71,6 +76,7 @@ PROBE_S = 10.0
 ERROR_RATE = 0.03  # S2: calls answered with a 500
 HANG_RATE = 0.005  # S2: calls that hang past the call timeout
 CALL_TIMEOUT_S = 10.0
+DEGRADE_ABOVE = 32  # S4: the judge's latency doubles above this many in flight
 POLL_S = 0.02  # how often the benchmark looks at a qrq batch's outcomes so far
 REFILL_S = 1.5  # between runs: the judge's and the limiter's one-second buckets refill
 LEGEND = """\
@@ -101,17 +107,20 @@ class Env:
 
 
 @contextmanager
-def scenario_env(backend_rpm: float, faults: bool = False):
+def scenario_env(backend_rpm: float, faults: bool = False, degrade: bool = False):
     """`faults`: the judge answers ERROR_RATE of calls with a 500 and lets HANG_RATE hang past
     the call timeout, and the backend file is untuned (no [pool] table), as README advises."""
     flush_redis()
     fault_settings = dict(error_rate=ERROR_RATE, hang_rate=HANG_RATE,
                           hang_s=2 * CALL_TIMEOUT_S) if faults else {}
-    calls = None if faults else advised_calls(
+    if degrade:
+        fault_settings = dict(rpm=0, degrade_above=DEGRADE_ABOVE)
+    calls = None if faults or degrade else advised_calls(
         Limits(rpm=backend_rpm, max_concurrent=SERVER_CONCURRENT), LATENCY_MS / 1000, WORKERS)
     with tempfile.TemporaryDirectory(prefix="qrq-bench-") as tmp, spawn(
-        MockJudgeSettings(rpm=SERVER_RPM, max_concurrent=SERVER_CONCURRENT,
-                          latency_ms=LATENCY_MS, latency_cv=LATENCY_CV, **fault_settings)
+        MockJudgeSettings(**{"rpm": SERVER_RPM, "max_concurrent": SERVER_CONCURRENT,
+                             "latency_ms": LATENCY_MS, "latency_cv": LATENCY_CV,
+                             **fault_settings})
     ) as mock:
         env = Env()
         env.mock = mock
@@ -153,21 +162,39 @@ def settle(env: Env) -> None:
 
 
 class Probe:
-    """Reads the judge's counters PROBE_S seconds after `start()`."""
+    """Reads the judge's counters PROBE_S seconds after `start()` (`stats`), and its accepted
+    count every second (`accepted`, for the rate while the batch's main body runs)."""
 
     def __init__(self, env: Env):
         self.env, self.stats = env, None
-        self.timer = threading.Timer(PROBE_S, self._read)
+        self.accepted: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, daemon=True)
 
     def _read(self) -> None:
-        self.stats = self.env.mock.stats()
+        started = time.monotonic()
+        while not self._stop.wait(max(0.0, started + len(self.accepted) + 1 - time.monotonic())):
+            stats = self.env.mock.stats()
+            self.accepted.append(stats["accepted"])
+            if len(self.accepted) == PROBE_S:
+                self.stats = stats
 
     def start(self) -> Probe:
-        self.timer.start()
+        self._thread.start()
         return self
 
     def cancel(self) -> None:
-        self.timer.cancel()
+        self._stop.set()
+
+    def main_body_per_s(self) -> float | None:
+        """Accepted requests per second from PROBE_S on, up to the last second that still
+        ran at half the limit or more (a tail of retries after a late hang is left out)."""
+        per_s = [b - a for a, b in zip(self.accepted, self.accepted[1:], strict=False)]
+        busy = [t for t, n in enumerate(per_s, start=1) if n >= SERVER_RPM / 60 / 2]
+        end = max(busy, default=0)
+        if end <= PROBE_S:
+            return None
+        return (self.accepted[end] - self.accepted[int(PROBE_S)]) / (end - PROBE_S)
 
 
 def finish_run(env: Env, scenario: str, client: str, samples: list[dict],
@@ -183,6 +210,9 @@ def finish_run(env: Env, scenario: str, client: str, samples: list[dict],
     if probe is not None:
         probe.cancel()
         extra |= split_at_probe(probe.stats, stats, wall)
+        body = probe.main_body_per_s()
+        if body is not None:
+            extra["main_body_after10_fraction_of_limit"] = round(body / (SERVER_RPM / 60), 4)
     return Run(
         scenario=scenario, client=client, n=len(samples), wall_s=wall,
         limit_per_s=SERVER_RPM / 60, server_429=stats["rate_limited"], server_requests=requests_,
@@ -310,7 +340,7 @@ def _trainer(kind: str, config_path: str, samples: list[dict], options: dict, ba
 
 
 def run_trainers(env: Env, scenario: str, client: str, kind: str, samples: list[dict],
-                 options: dict | None = None) -> Run:
+                 options: dict | None = None, probe: bool = False) -> Run:
     ctx = mp.get_context("spawn")
     barrier, queue = ctx.Barrier(TRAINERS + 1), ctx.Queue()
     share = math.ceil(len(samples) / TRAINERS)
@@ -324,6 +354,7 @@ def run_trainers(env: Env, scenario: str, client: str, kind: str, samples: list[
     cpu0 = sum(w.cpu_s() for w in env.workers)
     with suppress(threading.BrokenBarrierError):  # a trainer failed first; its report says why
         barrier.wait(120)
+    p = Probe(env).start() if probe else None
     reports = sorted(queue.get(timeout=600) for _ in procs)
     cpu = sum(w.cpu_s() for w in env.workers) - cpu0 if env.workers else None
     for p in procs:
@@ -343,7 +374,7 @@ def run_trainers(env: Env, scenario: str, client: str, kind: str, samples: list[
         extra |= {"statuses": statuses,
                   "max_attempts": max(r[4]["max_attempts"] for r in reports),
                   "retried_samples": sum(r[4]["retried_samples"] for r in reports)}
-    return finish_run(env, scenario, client, samples, results, wall, None, cpu, **extra)
+    return finish_run(env, scenario, client, samples, results, wall, p, cpu, **extra)
 
 
 # ---------------------------------------------------------------------------------- scenarios
@@ -416,12 +447,12 @@ def scenario_s2(args) -> tuple[list[Run], list[str]]:
         if "qrq" in args.clients:
             start_workers(env)
             log(f"S2 qrq: {TRAINERS} trainer processes x {len(samples) // TRAINERS} samples")
-            runs.append(run_trainers(env, "S2", "qrq", "qrq", samples))
+            runs.append(run_trainers(env, "S2", "qrq", "qrq", samples, probe=True))
             stop_workers(env)
         if "async_semaphore" in args.clients:
             log(f"S2 (b) async semaphore(60) x {TRAINERS} processes")
             runs.append(run_trainers(env, "S2", "b_async_semaphore60", "async_semaphore",
-                                     samples))
+                                     samples, probe=True))
         if "three_layer" in args.clients:
             log(f"S2 (c) three-layer limiter x {TRAINERS} processes, each with the full limit")
             runs.append(run_trainers(env, "S2", "c_three_layer", "three_layer", samples,
@@ -435,6 +466,22 @@ def scenario_s2(args) -> tuple[list[Run], list[str]]:
     notes.append(f"every client: {TRAINERS} processes x {len(samples) // TRAINERS} samples "
                  f"released together; wall = first start to last finish")
     return runs, notes
+
+
+def scenario_s4(args) -> tuple[list[Run], list[str]]:
+    samples = samples_for(2 * args.n)
+    runs: list[Run] = []
+    with scenario_env(20 * SERVER_RPM, degrade=True) as env:
+        start_workers(env)
+        log(f"S4 qrq: {len(samples)} samples, judge degrades above {DEGRADE_ABOVE} in flight")
+        runs.append(run_qrq(env, "S4", samples))
+        stop_workers(env)
+        log(f"S4 (b32) async semaphore({DEGRADE_ABOVE}): the judge's best")
+        runs.append(run_baseline(env, "S4", f"b_async_semaphore{DEGRADE_ABOVE}", samples,
+                                 lambda s: baselines.async_semaphore(env.backend, s,
+                                                                     DEGRADE_ABOVE)))
+    return runs, [f"S4: fraction_of_limit is over {SERVER_RPM / 60:g}/s, not this judge's best; "
+                  f"compare with b_async_semaphore{DEGRADE_ABOVE}"]
 
 
 def scenario_s3(args) -> tuple[list[Run], list[str]]:
@@ -506,6 +553,16 @@ def targets(runs: list[Run]) -> list[tuple[str, bool, str]]:
                     r.fraction_of_limit >= 0.95, f"{r.fraction_of_limit:.1%}"))
         out.append((f"{scenario} qrq 429s <= 1% of requests", r.pct_429 <= 1.0,
                     f"{r.server_429}/{r.server_requests} = {r.pct_429:.2f}%"))
+    r = qrq("S2")
+    if r is not None and "main_body_after10_fraction_of_limit" in r.extra:
+        share = r.extra["main_body_after10_fraction_of_limit"]
+        out.append(("S2 qrq accepted requests after the first 10 s >= 95% of the limit",
+                    share >= 0.95, f"{share:.1%}"))
+    r, best = qrq("S4"), next((b for b in runs if b.scenario == "S4" and b.client != "qrq"),
+                              None)
+    if r is not None and best is not None:
+        out.append((f"S4 qrq within 10% of the degrading judge's best ({best.client})",
+                    r.per_s >= 0.9 * best.per_s, f"{r.per_s:.1f}/s vs {best.per_s:.1f}/s"))
     r = qrq("S1")
     if r is not None and "submit_to_outcome_p50_s" in r.extra:
         e = r.extra
@@ -530,6 +587,8 @@ SCENARIOS = {
     "S2": (f"S2 shared limit: same judge, {TRAINERS} trainer processes submit at once",
            scenario_s2),
     "S3": ("S3 wrong limits: backend file says 6000 rpm, judge enforces 3000", scenario_s3),
+    "S4": (f"S4 a degrading judge: latency doubles above {DEGRADE_ABOVE} in flight, no rate "
+           "limit", scenario_s4),
 }
 
 

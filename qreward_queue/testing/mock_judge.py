@@ -122,6 +122,7 @@ class MockJudgeSettings:
     error_rate: float = 0.0
     hang_rate: float = 0.0
     hang_s: float = 30.0
+    degrade_above: int = 0  # latency doubles while more requests than this are in flight
     seed: int = 0
     group_reply: str = "list"  # how a group's scores are written: list | object | tagged
     group_fault_rate: float = 0.0  # fraction of group requests answered with a group fault
@@ -352,6 +353,8 @@ class _Judge:
 
     def _draw_latency(self) -> float:
         mean, cv = self.settings.latency_ms / 1000, self.settings.latency_cv
+        if 0 < self.settings.degrade_above < self._in_flight:  # an overloaded server
+            mean *= 2
         if mean <= 0 or cv <= 0:
             return max(mean, 0.0)
         sigma2 = math.log1p(cv * cv)
@@ -731,6 +734,8 @@ _DEFAULTS = MockJudgeSettings()
               help="Fraction of admitted requests that hang.")
 @click.option("--hang-s", type=float, default=_DEFAULTS.hang_s, show_default=True,
               help="Seconds a hang lasts.")
+@click.option("--degrade-above", default=_DEFAULTS.degrade_above,
+              help="Latency doubles above this many requests in flight, 0 = never.")
 @click.option("--seed", default=_DEFAULTS.seed, show_default=True, help="Seed of the fault RNG.")
 @click.option("--group-reply", type=click.Choice(GROUP_REPLIES), default=_DEFAULTS.group_reply,
               show_default=True, help="How a group prompt's scores are written.")
