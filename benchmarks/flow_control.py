@@ -354,7 +354,7 @@ def run_trainers(env: Env, scenario: str, client: str, kind: str, samples: list[
     cpu0 = sum(w.cpu_s() for w in env.workers)
     with suppress(threading.BrokenBarrierError):  # a trainer failed first; its report says why
         barrier.wait(120)
-    p = Probe(env).start() if probe else None
+    judge_probe = Probe(env).start() if probe else None
     reports = sorted(queue.get(timeout=600) for _ in procs)
     cpu = sum(w.cpu_s() for w in env.workers) - cpu0 if env.workers else None
     for p in procs:
@@ -374,7 +374,7 @@ def run_trainers(env: Env, scenario: str, client: str, kind: str, samples: list[
         extra |= {"statuses": statuses,
                   "max_attempts": max(r[4]["max_attempts"] for r in reports),
                   "retried_samples": sum(r[4]["retried_samples"] for r in reports)}
-    return finish_run(env, scenario, client, samples, results, wall, p, cpu, **extra)
+    return finish_run(env, scenario, client, samples, results, wall, judge_probe, cpu, **extra)
 
 
 # ---------------------------------------------------------------------------------- scenarios

@@ -109,32 +109,58 @@ class NoWorkerWatch:
 class HeldKeeper:
     """Says again, every `every_s`, which tasks this process is running (`qrq:held:<task>` =
     its node), so that after Redis lost its data a client can tell a task still running,
-    which it must not send again (that would buy its calls twice), from one that was lost."""
+    which it must not send again (that would buy its calls twice), from one that was lost.
+
+    A task that ended for good (not one that retries itself: its message waits in this worker
+    for its countdown) is forgotten at once, or, Redis away, as soon as Redis answers again:
+    a task that gave up on Redis is then seen lost by its client and sent again, rather than
+    waiting out the broker's visibility timeout."""
 
     def __init__(self, every_s: float) -> None:
         self.every_s = every_s
         self._lock = threading.Lock()
         self._running: dict[str, tuple[redis.Redis, str, int]] = {}
+        self._ended: dict[str, redis.Redis] = {}  # tasks whose key is still to be deleted
         self._thread: threading.Thread | None = None
 
     @contextlib.contextmanager
-    def holding(self, store: redis.Redis, task_id: str, node: str, ttl_s: int) -> Iterator[None]:
+    def holding(self, store: redis.Redis, task_id: str, node: str, ttl_s: int,
+                keeps: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
+        """Hold `task_id` while the block runs; its key stays after the block only when the
+        block raised one of `keeps` (the task goes on later)."""
         with self._lock:
             self._running[task_id] = (store, node, ttl_s)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="qrq-held", daemon=True)
                 self._thread.start()
+        ended = True
         try:
             yield
+        except keeps:
+            ended = False
+            raise
         finally:
             with self._lock:
                 self._running.pop(task_id, None)
+            if ended:
+                self._forget({task_id: store})
+
+    def _forget(self, ended: dict[str, redis.Redis]) -> None:
+        try:
+            for task_id, store in ended.items():
+                store.delete(keys.held(task_id))
+        except (redis.RedisError, OSError):  # Redis away: the keeper's next round does it
+            with self._lock:
+                self._ended.update(ended)
 
     def _run(self) -> None:
         while True:
             time.sleep(self.every_s)
             with self._lock:
                 running = list(self._running.items())
+                ended, self._ended = self._ended, {}
+            if ended:
+                self._forget(ended)
             if not running:
                 continue
             store = running[0][1][0]

@@ -19,6 +19,7 @@ from functools import partial, wraps
 from typing import Any
 
 import redis
+from celery.exceptions import Retry
 
 from .. import records
 from ..errors import Cancelled, DeadlineExceeded, TransientError
@@ -207,7 +208,7 @@ def _held_while_running(task: Callable) -> Callable:
         if self.app.qrq_config.embedded or not self.request.id:
             return task(self, *args, **kwargs)
         with _keeper.holding(self.app.store, self.request.id, self.request.hostname,
-                             liveness.HELD_TTL_S):
+                             liveness.HELD_TTL_S, keeps=(Retry,)):
             return task(self, *args, **kwargs)
 
     return run
