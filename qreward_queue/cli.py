@@ -471,7 +471,8 @@ def gateway(config_path: str | None, host: str, port: int, route: str | None, ma
     from .trainer.batcher import MicroBatcher
 
     app = configure(config_path)
-    app.qrq_config.route(route)  # an unknown route fails here, not at the first request
+    if route or app.qrq_config.default_route:  # chat requests name theirs; the RM endpoints
+        app.qrq_config.route(route)  # use this one: an unknown one fails here, not later
     keys = Keys.load(app.qrq_config.gateway)
     if keys.open:
         click.echo(f"qrq: no [gateway] keys configured: every caller is served as one job, "
