@@ -57,8 +57,9 @@ class _OwnStyle(BaseHTTPRequestHandler):
         text = request["messages"][-1]["content"]
         body = ('{\n  "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10},'
                 f'\n  "model": {json.dumps(request["model"])},\n  "object": "chat.completion",'
-                f'\n  "id": "own-{len(self.server.sent)}", "created": 1,\n  "choices": [{{"index": 0,'
-                ' "finish_reason": "stop", "message": {"role": "assistant", "content": '
+                f'\n  "id": "own-{len(self.server.sent)}", "created": 1,'
+                '\n  "choices": [{"index": 0, "finish_reason": "stop", '
+                '"message": {"role": "assistant", "content": '
                 f'"{text} -> très bien ✓"}}}}]\n}}\n').encode()
         self.server.sent.append(body)
         self.send_response(200)
@@ -320,7 +321,7 @@ def test_an_open_gateway_says_so_and_warns_when_it_listens_widely(gateway, tmp_p
                       f'"redis://{REDIS_HOST}:{REDIS_PORT}/{REDIS_DB}"\n')
     (tmp_path / "workers").mkdir()
     with contextlib.ExitStack() as stack:
-        url, log = start_gateway(stack, config, {}, "--host", "0.0.0.0")
+        _, log = start_gateway(stack, config, {}, "--host", "0.0.0.0")
         text = log.read_text()
         assert "no [gateway] keys configured: every caller is served as one job" in text
         assert "warning: the gateway listens on 0.0.0.0 without authentication" in text
