@@ -43,6 +43,9 @@ from support import free_port, judge_backend, start_workers, write_config  # noq
 from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn  # noqa: E402
 
 REDIS = os.environ.get("QRQ_BENCH_REDIS_URL", "redis://127.0.0.1:6379/15")
+# the proxy's master key (LiteLLM's proxy refuses to start without a strong one); the clients
+# send it to both tools (an open qrq gateway ignores it)
+MASTER_KEY = "sk-qrq-bench-" + "7f3a9c2e41d84b6b9e0f5a1c"
 
 
 def pct(values: list[float], q: float) -> float:
@@ -175,7 +178,8 @@ async def main():
     out = {"ok": [], "failed": 0, "lost": 0}
     stop = time.monotonic() + seconds
     timeout = aiohttp.ClientTimeout(total=120)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    headers = {"Authorization": "Bearer " + sys.argv[4]}
+    async with aiohttp.ClientSession(timeout=timeout, headers=headers) as session:
         async def loop(k):
             i = 0
             while time.monotonic() < stop:
@@ -202,7 +206,7 @@ asyncio.run(main())
 def clients(urls: list[str], seconds: float, concurrency: int) -> dict:
     """4 client processes, spread over `urls`; their pooled results."""
     procs = [subprocess.Popen([sys.executable, "-c", CLIENT, urls[i % len(urls)], str(seconds),
-                               str(concurrency)], stdout=subprocess.PIPE, text=True)
+                               str(concurrency), MASTER_KEY], stdout=subprocess.PIPE, text=True)
              for i in range(4)]
     results = [json.loads(p.communicate(timeout=seconds + 180)[0]) for p in procs]
     ok = [ms for r in results for ms in r["ok"]]
@@ -228,7 +232,8 @@ def litellm_proxies(stack: contextlib.ExitStack, directory: Path, litellm: str, 
     for _ in range(n):
         port = free_port()
         proc = start([litellm, "--config", str(config), "--port", str(port)],
-                     directory / f"litellm-{port}.log", {"LITELLM_LOCAL_MODEL_COST_MAP": "True"},
+                     directory / f"litellm-{port}.log", {"LITELLM_LOCAL_MODEL_COST_MAP": "True",
+                                                     "LITELLM_MASTER_KEY": MASTER_KEY},
                      f"http://127.0.0.1:{port}/health/liveliness", timeout_s=300)
         stack.callback(lambda p=proc: (p.terminate(), p.wait(20)))
         urls.append(f"http://127.0.0.1:{port}")

@@ -22,7 +22,9 @@ import requests
 from conftest import REDIS_DB, REDIS_HOST, REDIS_PORT
 from support import ROOT, free_port, judge_backend, start_workers, wait_for, write_config
 
+from qreward_queue.config import load_config
 from qreward_queue.integrations.job_spend import job_rows
+from qreward_queue.ops.status import render_status
 from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn, verdict
 
 JUDGE_RPM = 1200  # 20 requests a second, for the judge and for qrq's limiter alike
@@ -94,7 +96,8 @@ def gateway(tmp_path_factory):
         for worker in start_workers(config, [("judge", "judge@gw"), ("own", "own@gw")]):
             stack.callback(worker.kill)
         url, log = start_gateway(stack, config, {KEYS_ENV: json.dumps(KEYS)})
-        yield {"url": url, "judge": judge, "own": own, "log": log, "redis": client}
+        yield {"url": url, "judge": judge, "own": own, "log": log, "redis": client,
+               "config": config}
         client.close()
 
 
@@ -178,6 +181,10 @@ def test_openai_clients_in_4_processes_share_the_judges_limit(gateway, tmp_path)
     procs = [subprocess.Popen([sys.executable, str(script), gateway["url"] + "/v1", TEAM_A, mode,
                                str(per_process), f"p{i}"], stdout=subprocess.PIPE, text=True)
              for i, mode in enumerate(["sync", "async", "sync", "async"])]
+    # the judge's 429s by the end of the first second of load (both buckets start full)
+    wait_for(lambda: judge.stats()["requests"], 60, "the first request at the judge")
+    time.sleep(1.0)
+    first_second_429s = judge.stats()["rate_limited"]
     results = [r for proc in procs for r in json.loads(proc.communicate(timeout=120)[0])]
     assert all(proc.returncode == 0 for proc in procs)
     stats = judge.stats()
@@ -185,17 +192,19 @@ def test_openai_clients_in_4_processes_share_the_judges_limit(gateway, tmp_path)
     # every reply is the judge's own, byte for byte: its model name, its usage
     for r in results:
         assert r["raw"].encode() == mock_reply(r["raw"].encode(), r["prompt"]), r
-    # the limit held: no 429 from the judge, and the calls took as long as 20 a second allows
-    # (less the one-second burst both buckets start with)
-    assert stats["rate_limited"] == 0, stats
+    # the limit held: no 429 from the judge after the first second, and the calls took as long
+    # as 20 a second allows (less the one-second burst both buckets start with)
+    assert stats["rate_limited"] == first_second_429s <= 2, stats
     assert stats["accepted"] == 4 * per_process
     elapsed = max(r["done"] for r in results) - started
     assert elapsed >= (4 * per_process - JUDGE_RPM / 60) / (JUDGE_RPM / 60) * 0.9
     # spend is counted per job
-    rows = {r["job"]: r for r in job_rows(gateway["redis"])}
     wait_for(lambda: {r["job"]: r for r in job_rows(gateway["redis"])}["team-a"]["total"]
              ["calls"] >= 4 * per_process, 5, "team-a's spend")
+    rows = {r["job"]: r for r in job_rows(gateway["redis"])}
     assert rows["team-a"]["total"]["tokens_in"] > 0
+    status = render_status(load_config(gateway["config"]))  # what `qrq status` prints
+    assert f"job team-a: spent {4 * per_process:,} calls" in status, status
 
 
 def test_replies_are_the_judges_bytes_even_in_its_own_style(gateway):
