@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # LiteLLM: no fetch at import
 import subprocess
 import sys
 import textwrap
