@@ -96,14 +96,14 @@ async def over_http(url: str, rate: float, seconds: float) -> dict:
         return await open_loop(send, rate, seconds)
 
 
-async def through_score_one(config: Path, rate: float, seconds: float) -> dict:
+async def through_score_one(config: Path, rate: float, seconds: float, wait_ms: float) -> dict:
     """open_loop of one-sample scores from this process (qrq's trainer adapters' path: the
     same micro-batcher, no HTTP): what the queue and the worker take, without the gateway."""
     import qreward_queue
     from qreward_queue.trainer.batcher import MicroBatcher
 
     qreward_queue.configure(config)
-    batcher = MicroBatcher(64, 2.0)
+    batcher = MicroBatcher(64, wait_ms)
 
     async def send(i: int) -> bool:
         outcome = await batcher.score({"prompt": f"Is 2+2=4? case {i}", "response": "4"},
@@ -130,9 +130,11 @@ def start(cmd: list[str], log: Path, env: dict, ready_url: str, timeout_s: float
         time.sleep(0.2)
 
 
-def gateway(stack: contextlib.ExitStack, config: Path, directory: Path) -> str:
+def gateway(stack: contextlib.ExitStack, config: Path, directory: Path,
+            wait_ms: float = 2.0) -> str:
     port = free_port()
-    proc = start([sys.executable, "-m", "qreward_queue.cli", "gateway", "--port", str(port)],
+    proc = start([sys.executable, "-m", "qreward_queue.cli", "gateway", "--port", str(port),
+                  "--chat-max-wait-ms", str(wait_ms)],
                  directory / f"gateway-{port}.log", {"QRQ_CONFIG": str(config)},
                  f"http://127.0.0.1:{port}/health")
     stack.callback(lambda: (proc.terminate(), proc.wait(10)))
@@ -140,7 +142,7 @@ def gateway(stack: contextlib.ExitStack, config: Path, directory: Path) -> str:
 
 
 def qrq_stack(stack: contextlib.ExitStack, directory: Path, judge_url: str, rpm: float,
-              gateways: int) -> tuple[Path, list[str]]:
+              gateways: int, wait_ms: float = 2.0) -> tuple[Path, list[str]]:
     import redis
 
     redis.Redis.from_url(REDIS).flushdb()
@@ -149,20 +151,21 @@ def qrq_stack(stack: contextlib.ExitStack, directory: Path, judge_url: str, rpm:
         route="judge", deadline_s=60)
     for worker in start_workers(config, [("judge", "judge@bench")]):
         stack.callback(worker.kill)
-    return config, [gateway(stack, config, directory) for _ in range(gateways)]
+    return config, [gateway(stack, config, directory, wait_ms) for _ in range(gateways)]
 
 
 def added_latency(args: argparse.Namespace) -> dict:
     with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
         judge = stack.enter_context(spawn(MockJudgeSettings(latency_ms=20, latency_cv=0)))
-        config, [url] = qrq_stack(stack, Path(tmp), judge.url, 0, 1)
+        config, [url] = qrq_stack(stack, Path(tmp), judge.url, 0, 1, args.wait_ms)
         chat = url + "/v1/chat/completions"
         asyncio.run(over_http(chat, args.rate, 2.0))  # warm up: connections, worker threads
         direct = asyncio.run(over_http(judge.url + "/v1/chat/completions", args.rate,
                                        args.seconds))
-        core = asyncio.run(through_score_one(config, args.rate, args.seconds))
+        core = asyncio.run(through_score_one(config, args.rate, args.seconds, args.wait_ms))
         via = asyncio.run(over_http(chat, args.rate, args.seconds))
     return {"benchmark": "gateway_added_latency", "rate": args.rate, "seconds": args.seconds,
+            "max_wait_ms": args.wait_ms,
             "direct": direct, "score_one": core, "gateway": via,
             "gateway_over_score_one_p50_ms": round(via["p50_ms"] - core["p50_ms"], 2),
             "gateway_over_score_one_p99_ms": round(via["p99_ms"] - core["p99_ms"], 2),
@@ -266,6 +269,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rate", type=float, default=500.0)
     parser.add_argument("--seconds", type=float, default=6.0)
+    parser.add_argument("--wait-ms", type=float, default=2.0,
+                        help="the micro-batchers' longest wait (gateway: --chat-max-wait-ms)")
     parser.add_argument("--side-by-side", action="store_true")
     parser.add_argument("--litellm", help="the `litellm` executable of a litellm[proxy] venv")
     parser.add_argument("--rpm", type=float, default=600.0)
