@@ -2,7 +2,7 @@
 
 In training, start the gateway next to your workers and point OpenRLHF at it:
 
-    QRQ_CONFIG=/shared/qrq.toml QRQ_REDIS_URL=redis://host:6379/0 qrq gateway --port 8000
+    QRQ_CONFIG=/shared/qrq.toml QRQ_REDIS_URL=redis://host:6379/0 qrq gateway --host 0.0.0.0
     openrlhf ... --reward.remote_url http://gateway-host:8000/get_reward
 
 This script starts the gateway in-process on a free port and posts what OpenRLHF's

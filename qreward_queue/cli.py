@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import time
 from collections import Counter
@@ -30,6 +31,7 @@ from .config import (
 )
 from .errors import ConfigError, QrqError
 from .extras import missing_extra
+from .ops.metrics_http import TOKEN_ENV
 from .priority import Priority
 from .runtime import check_redis, describe_mode, redis_problem
 from .testing.mock_judge import mock_judge_cli
@@ -233,6 +235,9 @@ def read_jsonl(lines_in) -> tuple[list, list[int], dict[int, str]]:
 @click.option("--loglevel", default="INFO", show_default=True, help="Celery's log level.")
 @click.option("--metrics-port", type=int, envvar="QRQ_METRICS_PORT",
               help="Serve Prometheus metrics of this worker (all pool processes) on this port.")
+@click.option("--metrics-host", default="127.0.0.1", show_default=True,
+              envvar="QRQ_METRICS_HOST", help="Interface of the metrics port (0.0.0.0: any; "
+              "set QRQ_METRICS_TOKEN to require a bearer token).")
 @click.option("-E", "--events", is_flag=True,
               help="Send task events from the start (Flower turns them on by itself).")
 def worker(
@@ -242,6 +247,7 @@ def worker(
     hostname: str | None,
     loglevel: str,
     metrics_port: int | None,
+    metrics_host: str,
     events: bool,
 ) -> None:
     """Run a Celery worker for one backend: its queue, pool and rate limit from BACKEND_FILE."""
@@ -298,8 +304,10 @@ def worker(
     if metrics_port:
         from .ops.metrics import serve_worker
 
-        serve_worker(metrics_port)
-        click.echo(f"metrics on :{metrics_port}/metrics")
+        serve_worker(metrics_port, metrics_host)
+        _warn_if_open(metrics_host, "the worker's metrics", bool(os.environ.get(TOKEN_ENV)),
+                      "set QRQ_METRICS_TOKEN")
+        click.echo(f"metrics on {metrics_host}:{metrics_port}/metrics")
     click.echo(
         describe_mode(config) + f"; worker for backend {backend.name!r} on queue {backend.queue}"
     )
@@ -406,8 +414,9 @@ def plan(config_path, route, n, prompt_tokens, response_tokens, latency_ms, grou
 @config_option
 @click.option("--port", type=int, default=9808, show_default=True,
               help="Port of the /metrics endpoint Prometheus scrapes.")
-@click.option("--host", default="0.0.0.0", show_default=True,
-              help="Interface to bind (127.0.0.1 when Prometheus runs on this machine).")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Interface to bind (0.0.0.0: any; set QRQ_METRICS_TOKEN to require a "
+                   "bearer token).")
 def exporter(config_path: str | None, port: int, host: str) -> None:
     """Serve the shared Redis state (queues by priority, leases, limits, breaker) to Prometheus."""
     from .app import QrqCelery
@@ -417,6 +426,7 @@ def exporter(config_path: str | None, port: int, host: str) -> None:
     if config.embedded:
         raise ConfigError("qrq exporter needs Redis: set QRQ_REDIS_URL or [redis] url in qrq.toml")
     serve_exporter(QrqCelery(config), port, host)
+    _warn_if_open(host, "the exporter", bool(os.environ.get(TOKEN_ENV)), "set QRQ_METRICS_TOKEN")
     click.echo(describe_mode(config) + f"; exporter on {host}:{port}/metrics")
     while True:
         time.sleep(3600)
@@ -439,28 +449,51 @@ def dead_letters(config_path: str | None, limit: int) -> None:
 
 @cli.command()
 @config_option
-@click.option("--host", default="0.0.0.0", show_default=True,
-              help="Interface to bind (trainer nodes must reach it; 127.0.0.1 for one machine).")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Interface to bind (0.0.0.0 for trainer nodes on other machines: configure "
+                   "[gateway] keys first).")
 @click.option("--port", default=8000, show_default=True, help="Port to listen on.")
-@click.option("--route", help="Route to score on (default: the config's default route).")
+@click.option("--route", help="Route of the RM endpoints (default: the config's default route).")
 @click.option("--max-items", default=64, show_default=True, help="Samples per micro-batch.")
-@click.option("--max-wait-ms", default=20.0, show_default=True, help="Longest wait to fill one.")
+@click.option("--max-wait-ms", default=20.0, show_default=True,
+              help="Longest wait to fill one (the RM endpoints).")
+@click.option("--chat-max-wait-ms", default=2.0, show_default=True,
+              help="Longest wait to fill one (chat requests: each adds this much at most).")
 @click.option("--deadline-s", type=float,
               help="Answer by then (default 150 s for OpenRLHF, 100 s for slime).")
 def gateway(config_path: str | None, host: str, port: int, route: str | None, max_items: int,
-            max_wait_ms: float, deadline_s: float | None) -> None:
-    """Remote-RM HTTP server: OpenRLHF POST /get_reward, slime POST /slime, GET /health."""
+            max_wait_ms: float, chat_max_wait_ms: float, deadline_s: float | None) -> None:
+    """Remote-RM HTTP server (OpenRLHF POST /get_reward, slime POST /slime) and an
+    OpenAI-compatible front door (POST /v1/chat/completions, GET /v1/models); GET /health."""
     from .integrations.gateway import Gateway, serve
+    from .integrations.gateway_keys import OPEN_JOB, Keys
     from .runtime import configure
     from .trainer.batcher import MicroBatcher
 
     app = configure(config_path)
-    app.qrq_config.route(route)  # an unknown route fails here, not at the first request
+    if route or app.qrq_config.default_route:  # chat requests name theirs; the RM endpoints
+        app.qrq_config.route(route)  # use this one: an unknown one fails here, not later
+    keys = Keys.load(app.qrq_config.gateway)
+    if keys.open:
+        click.echo(f"qrq: no [gateway] keys configured: every caller is served as one job, "
+                   f"{OPEN_JOB!r}, at any priority", err=True)
+    _warn_if_open(host, "the gateway", not keys.open, "configure [gateway] keys_env or keys_file")
     click.echo(describe_mode(app.qrq_config) + f"; gateway on http://{host}:{port}"
-               " (POST /get_reward, POST /slime, GET /health)")
+               " (POST /get_reward, POST /slime, POST /v1/chat/completions, GET /v1/models,"
+               " GET /health)")
     deadlines = {} if deadline_s is None else {"openrlhf_deadline_s": deadline_s,
                                                "slime_deadline_s": deadline_s}
-    serve(host, port, Gateway(route, MicroBatcher(max_items, max_wait_ms), **deadlines))
+    serve(host, port, Gateway(route, MicroBatcher(max_items, max_wait_ms), **deadlines,
+                              keys=keys, chat_batcher=MicroBatcher(max_items, chat_max_wait_ms)))
+
+
+def _warn_if_open(host: str, what: str, authenticated: bool, how: str) -> None:
+    """Say so when `what` listens beyond this machine and anyone may call it."""
+    from .ops.metrics_http import is_loopback
+
+    if not authenticated and not is_loopback(host):
+        click.echo(f"qrq: warning: {what} listens on {host} without authentication: anyone "
+                   f"who reaches it may use it ({how})", err=True)
 
 
 def main() -> None:

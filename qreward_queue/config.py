@@ -30,6 +30,7 @@ from .settings import (
     Backend,
     Budget,
     Config,
+    GatewaySettings,
     Limits,
     Pool,
     Price,
@@ -136,6 +137,22 @@ def _budget(t: Table) -> Budget:
     return budget
 
 
+def _gateway(t: Table, base: Path) -> GatewaySettings:
+    """[gateway]: `keys_env` or `keys_file` (relative to qrq.toml), and `[gateway.budget.<job>]`
+    tables of [budget]'s caps."""
+    keys_file = t.get("keys_file", str, None, expected="a path")
+    budgets = t.table("budget")
+    settings = GatewaySettings(
+        keys_env=_env_name(t, "keys_env"),
+        keys_file=str(base / keys_file) if keys_file else None,
+        budgets={job: b for job in list(budgets.data)
+                 if (b := budgets.section(job, _budget)) is not None},
+    )
+    budgets.finish()
+    t.finish()
+    return settings
+
+
 def load_backend(path: str | os.PathLike[str]) -> Backend:
     """Read one workers/<backend>.toml; every problem in it is reported in one ConfigError."""
     path = Path(path)
@@ -177,13 +194,12 @@ def _backend_values(b: Table, path: Path) -> dict[str, Any]:
     return values
 
 
-def _env_name(t: Table) -> str | None:
-    """The NAME of the variable holding the API key; a pasted key is refused unquoted."""
-    name: str | None = t.get("api_key_env", str, None,
-                             expected="the NAME of an environment variable")
+def _env_name(t: Table, key: str = "api_key_env") -> str | None:
+    """The NAME of the variable holding an API key; a pasted key is refused unquoted."""
+    name: str | None = t.get(key, str, None, expected="the NAME of an environment variable")
     if name is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
         raise ConfigError(
-            f"{t.where('api_key_env')}: expected the NAME of an environment "
+            f"{t.where(key)}: expected the NAME of an environment "
             "variable (letters, digits, '_'), not a key; the value is not shown"
         )
     return name
@@ -354,6 +370,7 @@ def load_config(
         visibility_timeout_s=d.integer("visibility_timeout_s", 900),
         lease_s=d.number("lease_s", 15.0),
         source=str(path),
+        gateway=root.section("gateway", _gateway, path.parent) or GatewaySettings(),
         **target,
     )
     d.finish()

@@ -99,6 +99,19 @@ def spend(backend: str, hour: int | None = None) -> str:
     return f"{_tag(backend)}:spend" + ("" if hour is None else f":{hour}")
 
 
+def job_spend(job: str, hour: int | None = None) -> str:
+    """A gateway job's spend hash (as `spend`: the running total, or one UTC hour's)."""
+    return f"{PREFIX}job:{job}:spend" + ("" if hour is None else f":{hour}")
+
+
+JOBS = f"{PREFIX}jobs"  # set of the gateway jobs that have spent something
+
+
+def gateway_reply(identity: str, request: str) -> str:
+    """A gateway's cached chat reply: the route's identity and the request body's digest."""
+    return f"{PREFIX}gwcache:{identity}:{request}"
+
+
 def batch_spend(batch_id: str) -> str:
     """One batch's spend per backend (fields `<backend>:<field>`), for its summary()."""
     return f"{PREFIX}spend:{batch_id}"

@@ -198,6 +198,16 @@ class Route:
 
 
 @dataclass(frozen=True)
+class GatewaySettings:
+    """`[gateway]`: where `qrq gateway` reads its API keys (secrets: an environment variable or
+    a file, never qrq.toml itself), each naming a job, and each job's `[budget]`."""
+
+    keys_env: str | None = None
+    keys_file: str | None = None
+    budgets: dict[str, Budget] = field(default_factory=dict, hash=False)
+
+
+@dataclass(frozen=True)
 class Config:
     """Everything qrq.toml and the backend files say."""
 
@@ -215,6 +225,7 @@ class Config:
     redis_service_name: str | None = None  # the Sentinel service (master name)
     redis_password_env: str | None = None
     sentinel_password_env: str | None = None
+    gateway: GatewaySettings = field(default_factory=GatewaySettings)
 
     @property
     def embedded(self) -> bool:

@@ -46,6 +46,12 @@ REDIS_ENV = [
 ]
 
 
+# /metrics of workers and exporter answer only `Authorization: Bearer <token>` (Prometheus:
+# `authorization: {credentials_file: ...}` with the same secret mounted)
+METRICS_TOKEN = {"name": "QRQ_METRICS_TOKEN",
+                 "valueFrom": {"secretKeyRef": {"name": "qrq-metrics", "key": "token"}}}
+
+
 def _container(name: str, command: list[str], port: int, cpu: str, env: list[dict]) -> dict:
     return {
         "name": name,
@@ -89,7 +95,8 @@ def worker_manifests(backend: Backend, source: str) -> list[dict]:
     name = f"qrq-worker-{backend.name}"
     cpu = str(backend.pool.concurrency) if backend.pool.type == "prefork" else "500m"
     env = [{"name": "REMAP_SIGTERM", "value": "SIGQUIT"},
-           {"name": "QRQ_METRICS_PORT", "value": str(METRICS_PORT)}, *REDIS_ENV]
+           {"name": "QRQ_METRICS_PORT", "value": str(METRICS_PORT)},
+           {"name": "QRQ_METRICS_HOST", "value": "0.0.0.0"}, METRICS_TOKEN, *REDIS_ENV]
     container = _container("worker", ["qrq", "worker", source], METRICS_PORT, cpu, env)
     lists = dict(enumerate(queue_lists(backend.queue)))
     triggers = [
@@ -121,8 +128,9 @@ def worker_manifests(backend: Backend, source: str) -> list[dict]:
 def exporter_manifests() -> list[dict]:
     """`qrq exporter`: one replica reads the shared Redis state for Prometheus."""
     name = "qrq-exporter"
-    container = _container("exporter", ["qrq", "exporter", "--port", str(EXPORTER_PORT)],
-                           EXPORTER_PORT, "100m", REDIS_ENV[:1])
+    container = _container("exporter", ["qrq", "exporter", "--host", "0.0.0.0", "--port",
+                                        str(EXPORTER_PORT)],
+                           EXPORTER_PORT, "100m", [REDIS_ENV[0], METRICS_TOKEN])
     service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name},
                "spec": {"selector": {"app": name},
                         "ports": [{"name": "metrics", "port": EXPORTER_PORT}]}}

@@ -10,6 +10,7 @@ from .. import groups
 from ..errors import ConfigError, PermanentError, ScoringError
 from ..settings import DEFAULT_SCORE_PATTERN, DEFAULT_TEMPLATE, Backend
 from ..toml_table import Table
+from . import passthrough
 from .base import Call, checked_score, read_score_range, usage_split, usage_tokens
 from .http import HttpBackend
 
@@ -106,11 +107,15 @@ class JudgeBackend(HttpBackend):
 
     def estimate_usage(self, samples: list[dict]) -> tuple[float, float]:
         """The calls' messages (a group's prompt counted once) and max_tokens per sample."""
+        if samples and passthrough.chat_request(samples[0]) is not None:  # a gateway's batch
+            return passthrough.estimate_usage(samples, self.config.max_tokens)
         calls = [[samples[i] for i in call] for call in self.split(samples)]
         chars = sum(len(m["content"]) for call in calls for m in self.call_messages(call))
         return chars / 4, float(self.config.max_tokens * len(samples))
 
     def request(self, samples: list[dict]) -> dict:
+        if (chat := passthrough.call_request(samples)) is not None:
+            return passthrough.payload(chat, self.config.model)
         payload = {
             "model": self.config.model,
             "messages": self.call_messages(samples),
@@ -124,6 +129,8 @@ class JudgeBackend(HttpBackend):
         return payload
 
     def answer(self, samples: list[dict], reply: Reply) -> Call:
+        if passthrough.call_request(samples) is not None:
+            return passthrough.answer(reply)
         facts: dict[str, Any] = {"status_code": reply.status_code, "headers": reply.headers}
         try:
             content = reply.body["choices"][0]["message"]["content"]

@@ -58,6 +58,7 @@ class Reply:
     status_code: int
     headers: dict[str, str]
     body: Any
+    raw: bytes = b""  # the body as the server sent it (a pass-through call hands it back)
 
 
 @dataclass(frozen=True)
@@ -226,7 +227,7 @@ def _reply(config: Backend, server: _Server, resp: _Response) -> Reply:
         body = json.loads(raw)
     except ValueError:
         raise PermanentError("reply is not JSON", text, **facts) from None
-    return Reply(resp.status, reply_headers, body)
+    return Reply(resp.status, reply_headers, body, raw)
 
 
 class _Unanswered(ConnectionError):

@@ -1,10 +1,17 @@
-"""`qrq gateway`: remote-RM HTTP endpoints for OpenRLHF and slime, micro-batched onto qrq.
+"""`qrq gateway`: remote-RM HTTP endpoints for OpenRLHF and slime, and an OpenAI-compatible
+front door (openai_gateway.py), micro-batched onto qrq.
 
     POST /get_reward   OpenRLHF: {"query": [...], "prompts": [...], "labels": [...]}
                        -> {"rewards": [...], "scores": [...], "extra_logs": {"qrq_ok": [...]}}
     POST /slime        slime --rm-type remote_rm: {"prompt", "response", "label"} -> a number
     GET  /health       {"status": "ok", "mode": "distributed" | "embedded", "pending": samples
                         waiting, "batches_sent": batches sent so far}
+    POST /v1/chat/completions, GET /v1/models   see openai_gateway.py
+
+Callers: with `[gateway]` keys configured (gateway_keys.py) every endpoint but /health needs
+`Authorization: Bearer <key>` (a wrong one is a 401) and a request runs at a priority its key
+allows (`X-Qrq-Priority`, slime's `qrq_priority` mark; another is a 403). With none, every
+caller is one job, `default`, so `qrq gateway` binds 127.0.0.1 unless told otherwise.
 
 Both trainers send one sample per request and retry any non-2xx, and neither survives a
 missing reward, so every well-formed request is answered 200 with a number by its deadline
@@ -28,6 +35,9 @@ from ..runtime import get_app
 from ..samples import Outcome
 from ..trainer.batcher import MicroBatcher
 from .coerce import make_sample
+from .gateway_keys import Job, Keys
+from .job_spend import FLUSH_EVERY_S, JobLedger
+from .openai_gateway import PRIORITY_HEADER, ApiError, ChatCompletions
 from .openrlhf import DEADLINE_S as OPENRLHF_DEADLINE_S
 from .openrlhf import reply, samples_of
 
@@ -40,21 +50,54 @@ class BadRequest(ValueError):
 
 
 class Gateway:
-    """The HTTP handlers over one MicroBatcher and one route."""
+    """The HTTP handlers over one route (the RM endpoints'), the callers' keys and two
+    MicroBatchers: the RM endpoints' and the chat requests' (never mixed in one batch)."""
 
     def __init__(self, route: str | None = None, batcher: MicroBatcher | None = None,
                  openrlhf_deadline_s: float = OPENRLHF_DEADLINE_S,
-                 slime_deadline_s: float = SLIME_DEADLINE_S):
+                 slime_deadline_s: float = SLIME_DEADLINE_S, keys: Keys | None = None,
+                 chat_batcher: MicroBatcher | None = None):
         self.route, self.batcher = route, batcher or MicroBatcher()
         self.openrlhf_deadline_s, self.slime_deadline_s = openrlhf_deadline_s, slime_deadline_s
+        self.keys = keys or Keys({})
+        app = get_app()
+        self.ledger = JobLedger(None if app.qrq_config.embedded else app.store, app.qrq_config)
+        self.chat = ChatCompletions(
+            chat_batcher or MicroBatcher(self.batcher.max_items, self.batcher.max_wait_s * 1000),
+            self.ledger, _job)
         self.pending = 0
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=16 << 20)
+        app = web.Application(client_max_size=16 << 20, middlewares=[self.authenticate])
         app.router.add_post("/get_reward", self.openrlhf)
         app.router.add_post("/slime", self.slime)
         app.router.add_get("/health", self.health)
+        self.chat.add_routes(app)
+        app.cleanup_ctx.append(self._flushing)
         return app
+
+    @web.middleware
+    async def authenticate(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """The caller's job (`request["qrq_job"]`) from its key; 401 for a wrong one."""
+        if request.path != "/health":
+            job = self.keys.job(request.headers.get("Authorization"))
+            if job is None:
+                raise ApiError(401, "missing or wrong API key (Authorization: Bearer <key>)",
+                               "invalid_request_error", "invalid_api_key")
+            request["qrq_job"] = job
+        return await handler(request)
+
+    async def _flushing(self, _: web.Application) -> Any:
+        """The jobs' spend written (and budgets read) every FLUSH_EVERY_S while serving."""
+        async def flush_forever() -> None:
+            while True:
+                await asyncio.sleep(FLUSH_EVERY_S)
+                await asyncio.to_thread(self.ledger.flush)
+
+        task = asyncio.create_task(flush_forever())
+        yield
+        task.cancel()
+        await asyncio.to_thread(self.ledger.flush)
 
     async def openrlhf(self, request: web.Request) -> web.Response:
         body = await _json_object(request)
@@ -66,7 +109,8 @@ class Gateway:
             samples = samples_of(queries, prompts, labels)
         except (BadRequest, TypeError) as exc:
             raise web.HTTPBadRequest(text=f"bad OpenRLHF request: {exc}") from None
-        outcomes = await self.score(samples, self.openrlhf_deadline_s)
+        priority = _priority(request, request.headers.get(PRIORITY_HEADER))
+        outcomes = await self.score(samples, self.openrlhf_deadline_s, priority)
         return web.json_response(reply(outcomes))
 
     async def slime(self, request: web.Request) -> web.Response:
@@ -75,7 +119,10 @@ class Gateway:
             if key not in body:
                 raise web.HTTPBadRequest(text=f"bad slime request: missing field '{key}'")
         sample = make_sample(body["prompt"], body["response"], body.get("label"))
-        priority = Priority.marked((body.get("metadata") or {}).get("qrq_priority"))
+        marked = Priority.marked((body.get("metadata") or {}).get("qrq_priority"))
+        asked = request.headers.get(PRIORITY_HEADER) or \
+            (marked.value if marked is Priority.VAL else None)
+        priority = _priority(request, asked)
         [outcome] = await self.score([sample], self.slime_deadline_s, priority)
         return web.json_response(outcome.reward)
 
@@ -99,6 +146,21 @@ class Gateway:
             return _fallbacks(len(samples), "error", f"{type(exc).__name__}: {exc}")
         finally:
             self.pending -= len(samples)
+
+
+def _job(request: web.Request) -> Job:
+    job: Job = request["qrq_job"]
+    return job
+
+
+def _priority(request: web.Request, asked: str | None) -> Priority:
+    """The priority `asked` for, if the caller's key allows it (400 / 403 if not)."""
+    try:
+        return _job(request).priority(asked)
+    except ValueError as exc:
+        raise web.HTTPBadRequest(text=f"{PRIORITY_HEADER}: {exc}") from None
+    except PermissionError as exc:
+        raise web.HTTPForbidden(text=str(exc)) from None
 
 
 def _fallbacks(n: int, status: Any, why: str) -> list[Outcome]:

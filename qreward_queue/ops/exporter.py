@@ -30,6 +30,7 @@ from ..app import QrqCelery
 from ..extras import require
 from ..flow.capacity import queue_depths
 from ..priority import Priority
+from .metrics_http import LOCAL, serve_metrics
 from .status import backend_rows
 
 BREAKER_STATES = {"closed": 0, "half-open": 1, "open": 2}
@@ -110,11 +111,12 @@ class RedisStateCollector:
         yield hits
 
 
-def serve_exporter(app: QrqCelery, port: int, host: str = "0.0.0.0") -> None:
-    """Serve the Redis state on `host:port`/metrics (returns; the server runs in a thread)."""
+def serve_exporter(app: QrqCelery, port: int, host: str = LOCAL) -> None:
+    """Serve the Redis state on `host:port`/metrics (returns; the server runs in a thread),
+    behind QRQ_METRICS_TOKEN when it is set (metrics_http.py)."""
     require("prometheus_client", "Prometheus metrics")
-    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client import CollectorRegistry
 
     registry = CollectorRegistry()
     registry.register(RedisStateCollector(app))
-    start_http_server(port, addr=host, registry=registry)
+    serve_metrics(registry, host, port)

@@ -32,6 +32,7 @@ from celery.signals import task_success
 from ..errors import ConfigError
 from ..extras import require
 from ..message import TASK_NAME
+from .metrics_http import LOCAL, serve_metrics
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -151,8 +152,9 @@ def measured_latency_s(urls: Iterable[str]) -> dict[str, float]:
 # -- serving --------------------------------------------------------------------------------
 
 
-def serve_worker(port: int, host: str = "0.0.0.0") -> str:
-    """Expose this worker's metrics (all its pool processes) on `host:port`/metrics.
+def serve_worker(port: int, host: str = LOCAL) -> str:
+    """Expose this worker's metrics (all its pool processes) on `host:port`/metrics (behind
+    QRQ_METRICS_TOKEN when it is set: metrics_http.py).
 
     Must run before the pool starts and before anything imports prometheus_client: it sets
     PROMETHEUS_MULTIPROC_DIR (a fresh directory unless already set) so that every pool
@@ -164,11 +166,11 @@ def serve_worker(port: int, host: str = "0.0.0.0") -> str:
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
         atexit.register(shutil.rmtree, path, ignore_errors=True)
     _require_client()  # only now: prometheus_client picks its value store at import
-    from prometheus_client import CollectorRegistry, multiprocess, start_http_server
+    from prometheus_client import CollectorRegistry, multiprocess
 
     registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry, path=path)
-    start_http_server(port, addr=host, registry=registry)
+    serve_metrics(registry, host, port)
     enable()
     return path
 

@@ -12,6 +12,7 @@ from ..config import Config
 from ..flow.capacity import TYPICAL_BATCH, queue_depth, queue_depths
 from ..flow.limiter import CLAIM_WINDOW_S, CORROBORATE
 from ..flow.spend import backend_spend
+from ..integrations.job_spend import job_rows
 from ..priority import Priority
 from ..trainer.routing import chunk_size
 from .liveness import call_pools, live_workers
@@ -65,7 +66,7 @@ def snapshot(app: QrqCelery, previous: dict | None = None) -> dict:
         speed = drain if drain and drain > 0 else row["limit_samples_per_s"]
         row["eta_s"] = 0.0 if not row["queued"] else row["queued_samples"] / speed if speed \
             else None
-    return {"time": now, "backends": rows}
+    return {"time": now, "backends": rows, "jobs": job_rows(app.store)}
 
 
 def _fmt(value: float | None, spec: str = ".0f") -> str:
@@ -104,6 +105,9 @@ def render_snapshot(snap: dict) -> str:
               for row in snap["backends"] for node, pool in row.get("calls", {}).items()]
     for row in snap["backends"]:
         lines += render_spend(row["backend"], row["spend"])
+    for job in snap.get("jobs", []):  # the gateway's callers (integrations/job_spend.py)
+        lines += [f"{line} ({job['share']:.1%} of the jobs' tokens)" for line in
+                  render_spend(f"job {job['job']}", {**job, "budgets": {}})]
     return "\n".join(lines)
 
 
