@@ -14,6 +14,7 @@ from ..flow.limiter import CLAIM_WINDOW_S, CORROBORATE
 from ..flow.spend import backend_spend
 from ..priority import Priority
 from ..trainer.routing import chunk_size
+from . import audit
 from .liveness import call_pools, live_workers
 from .plan import samples_per_call
 
@@ -65,7 +66,9 @@ def snapshot(app: QrqCelery, previous: dict | None = None) -> dict:
         speed = drain if drain and drain > 0 else row["limit_samples_per_s"]
         row["eta_s"] = 0.0 if not row["queued"] else row["queued_samples"] / speed if speed \
             else None
-    return {"time": now, "backends": rows}
+    audits = {r.name: audit.hours(app.store, r.name) for r in app.qrq_config.routes.values()
+              if r.audit}
+    return {"time": now, "backends": rows, "audits": audits}
 
 
 def _fmt(value: float | None, spec: str = ".0f") -> str:
@@ -102,6 +105,8 @@ def render_snapshot(snap: dict) -> str:
               for row in snap["backends"] for node, pool in row.get("calls", {}).items()]
     for row in snap["backends"]:
         lines += render_spend(row["backend"], row["spend"])
+    for route, hours in snap.get("audits", {}).items():
+        lines += audit.render(route, hours)
     return "\n".join(lines)
 
 
