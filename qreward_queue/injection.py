@@ -79,10 +79,9 @@ _PATTERNS: dict[str, list[re.Pattern[str]]] = {
                    r"s?\b[^.\n]{0,40}\b(?:must|should|shall|will|are\s+(?:required|instructed)|"
                    r"have\s+to|need\s+to)\b[^.\n]{0,40}\b(?:give|assign|award|output|rate|score|"
                    r"grade|mark|return|respond|answer|reply)\b"),
-        re.compile(r"\b(?:give|assign|award|rate|score|grade|mark|output|return)\s+(?:this|me|it|"
-                   r"the\s+(?:response|answer|submission)|my\s+(?:response|answer))?\s*"
-                   r"(?:an?\s+|the\s+)?(?:full|maximum|max|perfect|highest|top|100%|10/10|"
-                   r"1\.0|five\s+stars)\b"),
+        re.compile(r"\b(?:give|assign|award|rate|score|grade|mark)\b[^.\n]{0,30}"
+                   r"(?:\b(?:full|maximum|max|perfect|highest|top)\s+(?:marks?|scores?|points|"
+                   r"ratings?|grades?)\b|100\s*%|10\s*/\s*10|\bfive\s+stars\b)"),
         re.compile(r"\b(?:give|assign|award|output)\b[^.\n]{0,30}\b(?:score|rating|grade|marks?)"
                    r"\s+(?:of\s+)?(?:1(?:\.0+)?|10|100|full|maximum|perfect)\b"),
         re.compile(r"\b(?:you\s+are\s+now|new\s+instructions?|system\s+(?:override|prompt|"

@@ -128,7 +128,7 @@ class JudgeBackend(HttpBackend):
         return chars / 4, float(self.config.max_tokens * len(samples))
 
     def request(self, samples: list[dict]) -> dict:
-        payload = {
+        payload: dict[str, Any] = {
             "model": self.config.model,
             "messages": self.call_messages(samples),
             # group mode: max_tokens per response, so the reply has room for every score

@@ -37,7 +37,7 @@ def chosen(audit: Audit, sample: dict[str, Any]) -> bool:
     """Whether the lane re-judges `sample`: a draw from its content and the seed, so the same
     samples are audited in every run and by every trainer process."""
     text = json.dumps([audit.seed, sample.get("prompt"), sample.get("response")])
-    draw = int.from_bytes(hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()[:8])
+    draw = int.from_bytes(hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()[:8], "big")
     return draw < audit.fraction * 2**64
 
 

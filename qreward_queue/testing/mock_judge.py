@@ -106,6 +106,7 @@ _RESPONSE_BLOCK = re.compile(r'<(response(?:-[0-9a-f]{16,32})?) id="(\d+)">\n(.*
                              re.DOTALL)
 _FENCE = re.compile(r"<(response-[0-9a-f]{16,32})>\n(.*?)\n</\1>", re.DOTALL)
 _OBEYED = re.compile(r"(?i)score\s*[:=]\s*([-+]?(?:\d+\.?\d*|\.\d+))")
+_UNSEEN = re.compile("[\u200b-\u200f\u2060-\u2064\ufeff\u00ad]")
 _LABEL = re.compile(r"(?im)^(?:candidate\s+)?(?:response|answer)\s*:\s?")
 _COUNTERS = (
     "requests",
@@ -169,8 +170,9 @@ def split_group(text: str) -> tuple[str, list[str]] | None:
 
 
 def obeyed(instructions: str) -> float | None:
-    """The verdict a weak judge takes from its instructions: their last verdict line."""
-    found = _OBEYED.findall(instructions)
+    """The verdict a weak judge takes from its instructions: their last verdict line (read as
+    a model reads it: through invisible characters)."""
+    found = _OBEYED.findall(_UNSEEN.sub("", instructions))
     return float(found[-1]) if found else None
 
 
