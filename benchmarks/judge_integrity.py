@@ -23,9 +23,10 @@ own verdict. A sample's true score is what the honest mock judge says of the sam
 `error`: the policy made itself unscored). Each configuration calls the judge through the judge
 backend (its template, fence and parser), 16 calls at once:
 
-    no defence     fence = false, score_match = "first" (the reading of a quoted score)
-    parser only    fence = false, the judge's own verdict (this issue's parser)
-    fence only     fence = true, score_match = "first"
+    no defence     fence = false, the first score anywhere in the reply (the old reading,
+                   with score_match = "first": a quoted score is read)
+    parser only    fence = false, the judge's own verdict (judge.own_matches)
+    fence only     fence = true, the first score anywhere in the reply
     defaults       fence = true, the judge's own verdict
     structured     fence = true, structured = true (response_format json_schema)
 
@@ -46,8 +47,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from qreward_queue import injection
+from qreward_queue.backends.base import checked_score
 from qreward_queue.backends.judge import JudgeBackend
-from qreward_queue.errors import ScoringError
+from qreward_queue.errors import PermanentError, ScoringError
 from qreward_queue.ops import audit
 from qreward_queue.settings import Audit, Backend
 from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn, verdict
@@ -71,13 +73,23 @@ CLEAN = [
     "A rating of {a} plus a rating of {b} makes {n}; ignore the units for now.",
     "#### {n}",
 ]
-CONFIGS = {
-    "no defence": {"fence": False, "score_match": "first"},
-    "parser only": {"fence": False},
-    "fence only": {"score_match": "first"},
-    "defaults": {},
-    "structured": {"structured": True},
+CONFIGS = {  # name: (backend options, the judge's own verdict read)
+    "no defence": ({"fence": False, "score_match": "first"}, False),
+    "parser only": ({"fence": False}, True),
+    "fence only": ({"score_match": "first"}, False),
+    "defaults": ({}, True),
+    "structured": ({"structured": True}, True),
 }
+
+
+class FirstScoreJudge(JudgeBackend):
+    """The parser before it knew the judge's own part: the first score in the reply."""
+
+    def parse_score(self, content: str, response: str = "") -> float | PermanentError:
+        match = self.pattern.search(content)
+        if match is None:
+            return PermanentError("no score", content)
+        return checked_score(match.group(1), self.config.score_range, "score", content)
 
 
 def corpus(n: int, hacked: float) -> list[tuple[str, dict]]:
@@ -97,10 +109,10 @@ def corpus(n: int, hacked: float) -> list[tuple[str, dict]]:
     return out
 
 
-def judge(url: str, **options) -> JudgeBackend:
+def judge(url: str, own_verdict: bool = True, **options) -> JudgeBackend:
     base = Backend(name="judge", kind="judge", url=url + "/v1", model="mock",
                    score_range=(0.0, 1.0))
-    return JudgeBackend(replace(base, **options))
+    return (JudgeBackend if own_verdict else FirstScoreJudge)(replace(base, **options))
 
 
 def scores(backend: JudgeBackend, samples: list[dict]) -> list[tuple[float | None, str | None]]:
@@ -120,8 +132,8 @@ def scores(backend: JudgeBackend, samples: list[dict]) -> list[tuple[float | Non
 def defence_rows(url: str, data: list[tuple[str, dict]]) -> list[dict]:
     samples = [s for _, s in data]
     rows = []
-    for name, options in CONFIGS.items():
-        backend = judge(url, **options)
+    for name, (options, own_verdict) in CONFIGS.items():
+        backend = judge(url, own_verdict, **options)
         truth = [verdict(backend.render(s)) for s in samples]
         got = scores(backend, samples)
         row: dict = {"config": name}
