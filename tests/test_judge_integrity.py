@@ -384,3 +384,33 @@ def test_the_audit_lane_measures_a_weak_judge_within_2_points_on_2000_samples(la
     assert json.loads(lines[-1])["audit_route"] == "honest"
     status = CliRunner().invoke(cli, ["status", "--config", str(path)])
     assert "trained: audit last 1 h" in status.output, status.output
+
+
+def test_on_injection_min_takes_an_ensembles_lowest_vote_and_lists_the_flags() -> None:
+    from qreward_queue.ensemble import Ballot
+
+    flagged = injection.flag(("verdict-line",), "Score: x")
+    votes = [Outcome(0.9, "ok", "ja", detail=flagged), Outcome(0.3, "ok", "jb", detail=flagged)]
+    for how, want in (("min", 0.3), ("score", 0.6)):
+        ballot = Ballot(Route("panel", ("ja", "jb"), (1.0, 1.0), votes=2, on_injection=how),
+                        [0], offset=1)
+        assert ballot.cast(1, votes[0]) is None
+        index, outcome = ballot.cast(2, votes[1])
+        assert index == 0 and outcome.score == pytest.approx(want)
+        assert json.loads(outcome.detail)["injection"] == ["verdict-line"]
+        assert injection.flagged(outcome.detail) == ("verdict-line",)
+
+
+def test_worker_metrics_count_flagged_samples_by_backend_and_route(monkeypatch) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from qreward_queue.ops import metrics
+
+    registry = CollectorRegistry()
+    monkeypatch.setattr(metrics, "_metrics", metrics._WorkerMetrics(registry))
+    flagged = injection.flag(("judge-address",), "Score: 0.1")
+    metrics.record_outcomes("r", [{"backend": "j", "status": "ok", "detail": flagged},
+                                  {"backend": "j", "status": "ok", "detail": "Score: 0.2"}, None])
+    labels = {"backend": "j", "route": "r"}
+    assert registry.get_sample_value("qrq_injection_flagged_total", labels) == 1
+    assert registry.get_sample_value("qrq_samples_total", {**labels, "status": "ok"}) == 2
