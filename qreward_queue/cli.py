@@ -432,6 +432,31 @@ def exporter(config_path: str | None, port: int, host: str) -> None:
         time.sleep(3600)
 
 
+@cli.command("audit")
+@config_option
+@click.option("--route", "route_name", required=True, help="An audited route.")
+@click.option("--limit", default=20, show_default=True, help="How many, newest first.")
+def audit_command(config_path: str | None, route_name: str, limit: int) -> None:
+    """The audit lane of a route: its agreement per hour, then the samples its judge and the
+    audit route disagreed on, one JSON line each (newest first)."""
+    from .ops import audit
+    from .redis_conn import connect
+
+    config = load_config(config_path)
+    if config.embedded:
+        raise ConfigError("qrq audit needs Redis: set QRQ_REDIS_URL or [redis] url")
+    route = config.route(route_name)
+    if route.audit is None:
+        raise ConfigError(f"{config.source}: routes.{route.name} has no audit lane "
+                          '(audit = { route = "...", fraction = 0.02 })')
+    store = connect(config)
+    for line in audit.render(route.name, audit.hours(store, route.name)) or [
+            f"  {route.name}: nothing audited in the last 24 h"]:
+        click.echo(line.strip())
+    for entry in audit.disagreements(store, route.name, limit):
+        click.echo(json.dumps(entry))
+
+
 @cli.command("dead-letters")
 @config_option
 @click.option("--limit", default=20, show_default=True, help="How many, newest first.")

@@ -20,6 +20,7 @@ from .backends.judge import SCORE_MATCHES
 from .ensemble import AGGREGATES
 from .errors import ConfigError, UnknownRoute
 from .flow.ratelimit_headers import DEFAULT_MAX_PAUSE_S
+from .injection import ON_INJECTION
 from .settings import (
     BUSY_TASKS,
     DEFAULT_SCORE_PATTERN,
@@ -27,6 +28,7 @@ from .settings import (
     MAX_PROCESS_CALLS,
     PACKAGED_CONFIG,
     PROCESS_CALLS,
+    Audit,
     Backend,
     Budget,
     Config,
@@ -43,8 +45,8 @@ from .toml_table import Table, expand_env, read_toml
 
 __all__ = [  # the model (settings.py) and the table reader (toml_table.py) are re-exported
     "BUSY_TASKS", "DEFAULT_SCORE_PATTERN", "DEFAULT_TEMPLATE", "KINDS", "MAX_PROCESS_CALLS",
-    "PACKAGED_CONFIG", "POOLS", "PROCESS_CALLS", "SCORE_MATCHES", "Backend", "Budget", "Config",
-    "Limits", "Pool", "Price", "Retry", "Route", "advised_calls", "config_not_found",
+    "PACKAGED_CONFIG", "POOLS", "PROCESS_CALLS", "SCORE_MATCHES", "Audit", "Backend", "Budget",
+    "Config", "Limits", "Pool", "Price", "Retry", "Route", "advised_calls", "config_not_found",
     "expand_env", "find_config", "load_backend", "load_config",
 ]
 
@@ -237,9 +239,33 @@ def _routes(t: Table, backends: dict[str, Backend], broken: Collection[str] = ()
             cache=r.get("cache", bool, False),
             cache_ttl_s=r.number("cache_ttl_s", 86400.0),
             **_ensemble(r, modes),
+            **_integrity(r),
         )
         r.finish()
+    for name, route in routes.items():
+        audit = route.audit
+        if audit and (audit.route == name or audit.route not in {*routes, *backends}):
+            raise t.table(name).table("audit").fail(
+                "route", f"another route or backend (known: {', '.join(sorted(routes))})")
     return routes
+
+
+def _integrity(r: Table) -> dict[str, Any]:
+    """`on_injection` and the `audit` lane of a route (injection.py, ops/audit.py)."""
+    how = r.get("on_injection", str, "score")
+    if how not in ON_INJECTION:
+        raise r.fail("on_injection", f"one of {', '.join(ON_INJECTION)}")
+    if "audit" not in r.data:
+        return {"on_injection": how}
+    a = r.table("audit")
+    fraction = a.number("fraction", 0.02)
+    if not 0 < fraction <= 1:
+        raise a.fail("fraction", "a number in (0, 1]")
+    audit = Audit(route=a.get("route", str, required=True, expected="a route or backend name"),
+                  fraction=fraction, threshold=a.number("threshold", 0.5, positive=False),
+                  seed=a.integer("seed", 0, minimum=0))
+    a.finish()
+    return {"on_injection": how, "audit": audit}
 
 
 def _ensemble(r: Table, modes: list[str]) -> dict[str, Any]:

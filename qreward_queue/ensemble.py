@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from . import injection
 from .errors import PermanentError, ScoringError
 from .samples import Outcome
 from .settings import Route
@@ -141,12 +142,17 @@ class Ballot:
     def _outcome(self, votes: list[Vote], outcomes: list[Outcome]) -> Outcome:
         attempts = sum(o.attempts for o in outcomes)
         latency_ms = max(o.latency_ms for o in outcomes)
+        # a response flagged by its judges: with on_injection = "min" the lowest vote counts
+        flags = sorted({k for o in outcomes for k in injection.flagged(o.detail)})
+        how = "min" if flags and self.route.on_injection == "min" else self.route.aggregate
         try:
-            score, detail = aggregate(votes, self.route.aggregate, self.route.quorum)
+            score, detail = aggregate(votes, how, self.route.quorum)
         except PermanentError as exc:
             failed = {o.status for o in outcomes if not o.scored}
             if len(failed) == 1 and len(votes) == sum(not o.scored for o in outcomes):
                 exc.status = failed.pop()  # every vote timed out, or was cancelled: say so
             return Outcome.failed(exc, self.route.name, attempts, latency_ms)
+        if flags:
+            detail["injection"] = flags
         return Outcome(score, "ok", self.route.name, attempts, latency_ms,
                        detail=json.dumps(detail))

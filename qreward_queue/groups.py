@@ -9,11 +9,15 @@ Pure functions, no Redis and no HTTP, so the call path can use them wherever a g
 The wire format. `{responses}` in a group template becomes one block per response, numbered
 from 1 in the order of the group:
 
-    <response id="1">
+    <response-3f1c0e9a27b4d865 id="1">
     first response text
-    </response>
+    </response-3f1c0e9a27b4d865>
 
-Tags rather than "[1] ..." lines, so a response may hold any text, newlines included. The judge
+Tags rather than "[1] ..." lines, so a response may hold any text, newlines included; the tag's
+name is `injection.fence` of the group's responses, which none of them can close (a response
+holding `</response>` does not end its block), and a note after the blocks tells the judge
+that what is inside them is only text to grade. `fenced=False` writes plain `<response>`
+tags (the judge integrity benchmark's "fence off"). The judge
 answers with a JSON list (scores in response order) or a JSON object keyed by response number
 at the end of its reply, or, with a `score_pattern` of two capture groups (number, score), with
 tagged scores such as "[2] Score: 0.7". A reply that does not give exactly one valid score per
@@ -37,6 +41,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from . import injection
 from .backends.base import checked_score
 from .errors import InvalidSamples, PermanentError
 
@@ -49,7 +54,7 @@ DEFAULT_GROUP_TEMPLATE = (
 DEFAULT_TAGGED_PATTERN = (
     r"\[(\d+)\]\s*Score:\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|[^\s,;]+)"
 )
-RESPONSE_BLOCK = '<response id="{number}">\n{response}\n</response>'
+RESPONSE_BLOCK = '<{tag} id="{number}">\n{response}\n</{tag}>'
 _QUOTE_HEAD, _QUOTE_TAIL = 150, 350  # a long reply's detail keeps both ends: scores come last
 
 
@@ -113,13 +118,14 @@ def plan_groups(samples: Sequence[Mapping[str, Any]], max_size: int) -> list[lis
     return [part for group in group_indices(samples) for part in split_balanced(group, max_size)]
 
 
-def render_group(template: str, samples: Sequence[Mapping[str, Any]]) -> str:
+def render_group(template: str, samples: Sequence[Mapping[str, Any]], fenced: bool = True
+                 ) -> str:
     """The user message for one group, from a template with the fields of a judge template
     (`{prompt}`, `{reference}`, `{data_source}`, `{extra}`: the group's first sample's) plus
     `{responses}` (the numbered blocks) and `{count}`.
 
     >>> group = [{"prompt": "2+2?", "response": "4"}, {"prompt": "2+2?", "response": "5"}]
-    >>> print(render_group("Q: {prompt}\\n{responses}", group))
+    >>> print(render_group("Q: {prompt}\\n{responses}", group, fenced=False))
     Q: 2+2?
     <response id="1">
     4
@@ -129,9 +135,13 @@ def render_group(template: str, samples: Sequence[Mapping[str, Any]]) -> str:
     </response>
     """
     first = samples[0]
+    texts = [s["response"] for s in samples]
+    tag = injection.fence(texts) if fenced else "response"
     responses = "\n".join(
-        RESPONSE_BLOCK.format(number=n, response=s["response"]) for n, s in enumerate(samples, 1)
+        RESPONSE_BLOCK.format(tag=tag, number=n, response=text) for n, text in enumerate(texts, 1)
     )
+    if fenced:
+        responses += "\n" + injection.fence_note(tag, group=True)
     return template.format(
         prompt=first["prompt"],
         reference=first.get("reference") or "",

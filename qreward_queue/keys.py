@@ -122,6 +122,12 @@ def cache_stats(route: str) -> str:
     return f"{PREFIX}stats:cache:{route}"
 
 
+def audit(route: str, hour: int | None = None) -> str:
+    """A route's audit lane (ops/audit.py): with `hour` (UTC hours since the epoch) that
+    hour's agreement hash; without, the list of its latest disagreeing samples (JSON)."""
+    return f"{PREFIX}audit:{route}:" + ("disagree" if hour is None else str(hour))
+
+
 def cache(identity: str) -> str:
     """Prefix of the score cache of one reward identity (content key appended)."""
     return f"{PREFIX}cache:{identity}:"

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .errors import InvalidSamples, ScoringError
+from .injection import flagged
 from .redact import redact
 
 Status = Literal["ok", "cached", "timeout", "error", "cancelled"]
@@ -80,7 +81,8 @@ class Outcome:
 
 def summarize(outcomes: Sequence[Outcome]) -> dict[str, Any]:
     """What a trainer logs about a step's outcomes: samples by status and by backend, retries
-    (extra attempts), cache hits and the mean latency of scored samples."""
+    (extra attempts), cache hits, responses flagged as addressing their judge and the mean
+    latency of scored samples."""
     by_status: dict[str, int] = {}
     by_backend: dict[str, int] = {}
     for o in outcomes:
@@ -94,6 +96,8 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, Any]:
         "by_backend": by_backend,
         "retries": sum(max(0, (o.attempts or 0) - 1) for o in outcomes),
         "cache_hits": by_status.get("cached", 0),
+        # responses that address their judge (injection.py), flagged in their detail
+        "injection_flagged": sum(bool(flagged(o.detail)) for o in outcomes),
         "mean_latency_ms": round(sum(scored) / len(scored), 1) if scored else None,
     }
 

@@ -20,8 +20,11 @@ DEFAULT_TEMPLATE = (
     "Prompt: {prompt}\nResponse: {response}\nReference: {reference}\n"
     "Answer with 'Score: <number>'."
 )
-# the exponent is part of the number, so "Score: 1e309" reads as 1e309 (an error), never as 1
-DEFAULT_SCORE_PATTERN = r"Score:\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)"
+# the exponent is part of the number, so "Score: 1e309" reads as 1e309 (an error), never as 1;
+# ASCII digits only, and a number that goes on ("0.5.5", "1/2", "1,5", "0x1", "١") is no match
+DEFAULT_SCORE_PATTERN = (
+    r"Score:\s*([-+]?(?:[0-9]+(?:\.[0-9]+)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?)(?!\w|[.,/]\w)"
+)
 PACKAGED_CONFIG = Path(__file__).resolve().parent / "defaults" / "qrq.toml"
 
 
@@ -144,6 +147,10 @@ class Backend:
     group_template: str | None = None  # None: groups.DEFAULT_GROUP_TEMPLATE
     group_max: int = 16  # the most responses one group call holds (larger groups are split)
     group_pattern: str | None = None  # tagged scores (number, score); None: a JSON list/object
+    # the response fenced in a tag it cannot close (injection.fence), and the verdict asked as
+    # JSON by `response_format` (a server that supports it: OpenAI, vLLM, SGLang)
+    fence: bool = True
+    structured: bool = False
     batch_size: int = 16
     function: str | None = None
     # a kind's own settings (a function: its keyword arguments, fn(sample, **options))
@@ -181,6 +188,18 @@ class Backend:
 
 
 @dataclass(frozen=True)
+class Audit:
+    """A route's audit lane: a seeded `fraction` of its `ok` outcomes judged again on `route`
+    at bulk priority after the batch returns (ops/audit.py); a score at or above
+    `threshold` passes."""
+
+    route: str
+    fraction: float
+    threshold: float = 0.5
+    seed: int = 0
+
+
+@dataclass(frozen=True)
 class Route:
     """A reward name a trainer uses: backends that produce the same score, with weights."""
 
@@ -195,6 +214,10 @@ class Route:
     aggregate: str = "mean"
     quorum: int = 1
     temperature: float = 1.0  # of a judge asked again (more votes than backends)
+    # a response flagged as addressing its judge (injection.py): "score" (flag only), "min"
+    # (an ensemble's lowest vote), "zero" (score 0, saying why)
+    on_injection: str = "score"
+    audit: Audit | None = None
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from qreward_queue.backends.judge import JudgeBackend
 from qreward_queue.backends.reward_model import RewardModelBackend
 from qreward_queue.config import Backend, Retry
 from qreward_queue.errors import PermanentError, RateLimited, ScoringError, TransientError
+from qreward_queue.injection import fence, fence_note
 from qreward_queue.testing.mock_judge import MockJudge, MockJudgeSettings, rm_verdict, verdict
 from qreward_queue.worker.tasks import ChunkRunner
 
@@ -169,7 +170,9 @@ def test_judge_scores_are_the_verdict_of_the_rendered_prompt(judge):
         assert call.tokens is not None and call.tokens > 0
         assert call.details[0].endswith(f"Score: {verdict(backend.render(s)):.2f}")
     rendered = backend.render(samples[1])
-    assert rendered == "Q: What is 2 + 2?\nA: It is 4.\nRef: 4\nSrc: gsm8k {'k': 1}"
+    tag = fence(["It is 4."])
+    assert rendered == (f"Q: What is 2 + 2?\nA: <{tag}>\nIt is 4.\n</{tag}>\n{fence_note(tag)}"
+                        "\nRef: 4\nSrc: gsm8k {'k': 1}")
     assert backend.messages(samples[0])[0] == {"role": "system", "content": "You are strict."}
     assert judge.stats()["accepted"] == len(samples)
 

@@ -65,7 +65,7 @@ def test_shipped_qrq_toml_and_workers_load():
     assert config.routes["rm"].backends == ("mock-rm",)
     mock_a = config.backends["mock-a"]
     assert (mock_a.kind, mock_a.queue, mock_a.limits.rpm) == ("judge", "qrq.mock-a", 6000.0)
-    assert mock_a.pool.rate_limit == "120/s"
+    assert mock_a.pool.sized and mock_a.pool.rate_limit is None  # README: sizing a pool
     assert mock_a.source.endswith("mock-a.toml")
     rm = config.backends["mock-rm"]
     assert (rm.kind, rm.batch_size, rm.chunk_size) == ("reward_model", 16, None)

@@ -324,16 +324,6 @@ class StderrReader:
         return "".join(self.lines)
 
 
-@pytest.mark.parametrize(
-    "file, latency_s, workers",
-    [("mock-a.toml", 0.025, 1), ("mock-b.toml", 0.025, 1), ("mock-rm.toml", 0.05, 1),
-     ("openai.toml.example", 1.0, 2), ("vllm-judge.toml.example", 0.5, 2)],
-)
-def test_example_pools_follow_the_sizing_rule(file, latency_s, workers):
-    backend = load_backend(ROOT / "workers" / file)
-    assert backend.pool.calls == advised_calls(backend.limits, latency_s, workers)
-
-
 def test_sizing_rule_without_any_limit_needs_the_wanted_rate():
     assert advised_calls(Limits(), 0.02, 2, want_per_s=1000) == 30
     with pytest.raises(ValueError):

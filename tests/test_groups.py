@@ -22,6 +22,7 @@ from qreward_queue.groups import (
     split_balanced,
     template_problem,
 )
+from qreward_queue.injection import fence
 
 
 @pytest.mark.parametrize("module", [groups, ensemble])
@@ -77,8 +78,9 @@ def test_render_puts_the_prompt_once_and_numbers_every_response() -> None:
     group = [{"prompt": "P?", "response": f"line {i}\nmore", "reference": "R"} for i in (1, 2, 3)]
     text = render_group(DEFAULT_GROUP_TEMPLATE, group)
     assert text.count("P?") == 1 and "Reference: R" in text and "each of the 3 responses" in text
+    tag = fence([s["response"] for s in group])
     for n in (1, 2, 3):
-        assert f'<response id="{n}">\nline {n}\nmore\n</response>' in text
+        assert f'<{tag} id="{n}">\nline {n}\nmore\n</{tag}>' in text
 
 
 def test_pattern_problem_wants_two_groups() -> None:

@@ -164,7 +164,9 @@ def checked_score(
     Numbers of any size come out of JSON and regexes; one that does not fit a float, is not
     finite or lies outside `score_range` is an error for its own item, quoting `reply`.
     """
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+    # float() reads "١" and "１" as 1: a score is written in ASCII or it is none
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)) or (
+            isinstance(value, str) and not value.isascii()):
         return PermanentError(f"{what} is not a number", reply or _preview(value))
     try:
         score = float(value)

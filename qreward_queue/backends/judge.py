@@ -1,12 +1,22 @@
 """LLM-as-judge over an OpenAI-compatible `POST {url}/chat/completions`: one sample per call,
-or with `mode = "group"` one GRPO group per call (groups.py: the wire format)."""
+or with `mode = "group"` one GRPO group per call (groups.py: the wire format).
+
+A response is text a policy wrote to earn reward, so it never reaches the judge's
+instructions or the parser: `{response}` is fenced in a tag it cannot close
+(injection.fence), and the score is read from the judge's own part of the reply: the JSON
+verdict of `response_format` with `structured = true`, else the pattern's matches that do not
+quote the response (`own_matches`). A response that addresses its judge is flagged in the
+outcome's detail (injection.detect).
+"""
 
 from __future__ import annotations
 
+import json
 import re
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from .. import groups
+from .. import groups, injection
 from ..errors import ConfigError, PermanentError, ScoringError
 from ..settings import DEFAULT_SCORE_PATTERN, DEFAULT_TEMPLATE, Backend
 from ..toml_table import Table
@@ -43,6 +53,8 @@ class JudgeBackend(HttpBackend):
         values["system_prompt"] = b.get("system_prompt", str, None)
         values["score_pattern"] = b.get("score_pattern", str, DEFAULT_SCORE_PATTERN)
         values["max_tokens"] = b.integer("max_tokens", Backend.max_tokens)
+        values["fence"] = b.get("fence", bool, True)
+        values["structured"] = b.get("structured", bool, False)
         try:
             if re.compile(values["score_pattern"]).groups < 1:
                 raise b.fail("score_pattern", "a regex with one capture group for the score")
@@ -77,13 +89,18 @@ class JudgeBackend(HttpBackend):
     def identity(self) -> list[Any]:
         c = self.config
         extra = [c.mode, c.group_template, c.group_max, c.group_pattern] if self.grouped else []
-        return super().identity() + extra
+        return [*super().identity(), c.fence, c.structured, *extra]
 
     def render(self, sample: dict) -> str:
-        """The user message the judge sees for `sample` (in sample mode)."""
+        """The user message the judge sees for `sample` (in sample mode): the response fenced,
+        and the judge told so after it."""
+        response = sample["response"]
+        if self.config.fence:
+            tag = injection.fence([response])
+            response = f"<{tag}>\n{response}\n</{tag}>\n{injection.fence_note(tag)}"
         return self.config.prompt_template.format(
             prompt=sample["prompt"],
-            response=sample["response"],
+            response=response,
             reference=sample.get("reference") or "",
             data_source=sample.get("data_source") or "",
             extra=sample.get("extra") or {},
@@ -96,7 +113,7 @@ class JudgeBackend(HttpBackend):
         """What one call sends: its sample, or in group mode its group rendered at once."""
         if self.grouped:
             template = self.config.group_template or groups.DEFAULT_GROUP_TEMPLATE
-            content = groups.render_group(template, samples)
+            content = groups.render_group(template, samples, self.config.fence)
         else:
             (sample,) = samples
             content = self.render(sample)
@@ -116,13 +133,15 @@ class JudgeBackend(HttpBackend):
     def request(self, samples: list[dict]) -> dict:
         if (chat := passthrough.call_request(samples)) is not None:
             return passthrough.payload(chat, self.config.model)
-        payload = {
+        payload: dict[str, Any] = {
             "model": self.config.model,
             "messages": self.call_messages(samples),
             # group mode: max_tokens per response, so the reply has room for every score
             "max_tokens": self.config.max_tokens * len(samples),
             "temperature": 0,
         }
+        if self.config.structured:
+            payload["response_format"] = _verdict_format(len(samples) if self.grouped else None)
         vote = samples[0].get("vote") if len(samples) == 1 else None
         if vote and "temperature" in vote:  # an ensemble's judge asked again: another draw
             payload.update(temperature=vote["temperature"], seed=vote["index"])
@@ -142,30 +161,51 @@ class JudgeBackend(HttpBackend):
             raise PermanentError(
                 "choices[0].message.content is not text", str(content)[:500], **facts
             )
-        scores = self.parse_group(content, len(samples)) if self.grouped \
-            else self.parse_score(content)
+        responses = [s["response"] for s in samples]
+        scores = self.parse_group(content, responses) if self.grouped \
+            else self.parse_score(content, responses[0])
         if isinstance(scores, PermanentError):
             raise PermanentError(str(scores), scores.detail, **facts)
         return Call(
             scores if isinstance(scores, list) else [scores], usage_tokens(reply.body),
-            reply.status_code, reply.headers, [content[:500]] * len(samples),
+            reply.status_code, reply.headers,
+            [injection.flag(injection.detect(r), content[:500]) for r in responses],
             usage_split(reply.body),
         )
 
-    def parse_group(self, content: str, count: int) -> list[float | ScoringError] | PermanentError:
-        """One score per response of a `count`-group, or the group's error quoting the reply."""
+    def parse_group(self, content: str, responses: Sequence[str]
+                    ) -> list[float | ScoringError] | PermanentError:
+        """One score per response of the group, or the group's error quoting the reply."""
+        verdict = _json_verdict(content, "scores") if self.config.structured else None
+        if verdict is not None:
+            content = json.dumps(verdict)
+        pattern = self.config.group_pattern
         try:
+            if pattern is not None:  # tagged scores: the judge's own, not those a response wrote
+                own = own_matches(list(re.finditer(pattern, content)), responses, content)
+                content = "\n".join(m.group(0) for m in own)
             return list(groups.parse_group_scores(
-                content, count, self.config.group_pattern, self.config.score_range))
+                content, len(responses), pattern, self.config.score_range))
         except PermanentError as exc:
             return exc
 
-    def parse_score(self, content: str) -> float | PermanentError:
-        """The score in the judge's reply per `score_pattern` and `score_match`."""
-        found = [m.group(1) for m in self.pattern.finditer(content)]
-        if not found:
+    def parse_score(self, content: str, response: str = "") -> float | PermanentError:
+        """The judge's own score in its reply: its JSON verdict (`structured`), else per
+        `score_pattern` and `score_match` among the matches that do not quote `response`."""
+        verdict = _json_verdict(content, "score") if self.config.structured else None
+        if verdict is not None:
+            return checked_score(verdict, self.config.score_range, f"score {verdict!r}",
+                                 content[:500])
+        matches = list(self.pattern.finditer(content))
+        if not matches:
             return PermanentError(
                 f"no score in the judge's reply (pattern {self.pattern.pattern!r})", content[:500]
+            )
+        found = [m.group(1) for m in own_matches(matches, [response], content)]
+        if not found:
+            return PermanentError(
+                "no score of the judge's own in its reply (each one quotes the response)",
+                content[:500],
             )
         policy = self.config.score_match
         if policy == "unique" and len(set(map(_number_or_text, found))) > 1:
@@ -176,6 +216,52 @@ class JudgeBackend(HttpBackend):
             )
         text = found[-1] if policy == "last" else found[0]
         return checked_score(text, self.config.score_range, f"score {text!r}", content[:500])
+
+
+def own_matches(matches: list[re.Match[str]], responses: Sequence[str], content: str
+                ) -> list[re.Match[str]]:
+    """The matches that are the judge's own, not its quotes of `responses`.
+
+    A match whose text appears in a response is a quote. When every match is one, the last
+    is still the judge's verdict (judges write it last; a response holding every possible
+    score line cannot unscore itself), unless its line and the line before appear together
+    in a response: then the reply ends in a quote and holds no verdict of the judge's own.
+    """
+    own = [m for m in matches if not any(m.group(0) in r for r in responses)]
+    if own or not matches:
+        return own
+    last = matches[-1]
+    start = content.rfind("\n", 0, max(0, content.rfind("\n", 0, last.start())))
+    end = content.find("\n", last.end())
+    window = content[start + 1:end if end >= 0 else len(content)].strip()
+    quoted = window != last.group(0).strip() and any(window in r for r in responses)
+    return [] if quoted else [last]
+
+
+def _verdict_format(count: int | None) -> dict[str, Any]:
+    """`response_format`: a JSON schema of the verdict, {"score": x} or {"scores": [...]}."""
+    key, value = ("score", {"type": "number"}) if count is None else (
+        "scores", {"type": "array", "items": {"type": "number"}, "minItems": count,
+                   "maxItems": count})
+    schema = {"type": "object", "properties": {key: value}, "required": [key],
+              "additionalProperties": False}
+    return {"type": "json_schema",
+            "json_schema": {"name": "verdict", "strict": True, "schema": schema}}
+
+
+def _json_verdict(content: str, key: str) -> Any:
+    """`key` of the reply when it is the JSON verdict `response_format` asked for, else None
+    (a server that ignored the schema: the text is read as usual). A key given twice is
+    the list of its values, which no score reads as a number."""
+    text = content.strip().removeprefix("```json").strip("`\n ")
+    try:
+        pairs = json.loads(text, object_pairs_hook=list)
+    except (ValueError, RecursionError):
+        return None
+    if not text.startswith("{"):
+        return None
+    values = [value for name, value in pairs if name == key]
+    return None if not values else values[0] if len(values) == 1 else values
 
 
 def _group_options(b: Table) -> dict[str, Any]:

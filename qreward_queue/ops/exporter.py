@@ -18,6 +18,9 @@ Metrics (labels):
     qrq_spend_estimated_calls_total{backend}       calls whose reply gave no usage (estimated)
     qrq_spend_cost_total{backend}                  their cost, with a [price] in the backend file
     qrq_budget_limit{backend,cap}, qrq_budget_used{backend,cap}   each [budget] cap and its use
+    qrq_audit_samples{route,audit}, qrq_audit_mean_abs_diff{route,audit},
+    qrq_audit_flip_rate{route,audit}, qrq_audit_bias{route,audit}
+                                                   an audited route's agreement, this UTC hour
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from ..app import QrqCelery
 from ..extras import require
 from ..flow.capacity import queue_depths
 from ..priority import Priority
+from . import audit
 from .metrics_http import LOCAL, serve_metrics
 from .status import backend_rows
 
@@ -109,6 +113,27 @@ class RedisStateCollector:
                 hits.add_metric([route.name], int(stats.get(b"hits", 0)))
         yield lookups
         yield hits
+        yield from _audit_metrics(app)
+
+
+def _audit_metrics(app: QrqCelery) -> Iterator[Any]:
+    """Each audited route's agreement with its audit route over the current UTC hour."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    figures = {name: GaugeMetricFamily(f"qrq_audit_{name}", doc, labels=["route", "audit"])
+               for name, doc in (
+                   ("samples", "Samples re-judged by the audit lane this UTC hour"),
+                   ("mean_abs_diff", "Mean |route score - audit score| this hour"),
+                   ("flip_rate", "Share of audited samples whose pass/fail flipped this hour"),
+                   ("bias", "Mean route score - audit score this hour (> 0: more lenient)"))}
+    for route in app.qrq_config.routes.values():
+        if route.audit:
+            now = audit.hours(app.store, route.name, last=1)
+            row = now[0] if now else audit.agreement({})
+            for name, family in figures.items():
+                if row[name] is not None:
+                    family.add_metric([route.name, route.audit.route], row[name])
+    yield from figures.values()
 
 
 def serve_exporter(app: QrqCelery, port: int, host: str = LOCAL) -> None:

@@ -15,6 +15,7 @@ Worker metrics (labels):
     qrq_limiter_wait_seconds{backend}              time a call waited for the global limiter
     qrq_retries_total{backend,reason}              task retries: backoff, limiter_busy, failover
     qrq_failovers_total{backend,to}                work moved to a sibling backend
+    qrq_injection_flagged_total{backend,route}     samples whose response addressed the judge
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery.signals import task_success
 
+from .. import injection
 from ..errors import ConfigError
 from ..extras import require
 from ..message import TASK_NAME
@@ -65,6 +67,9 @@ class _WorkerMetrics:
             ["backend", "reason"], **reg)
         self.failovers = Counter(
             "qrq_failovers", "Work moved from a backend to a sibling", ["backend", "to"], **reg)
+        self.injection = Counter(
+            "qrq_injection_flagged", "Samples whose response addressed the judge (injection)",
+            ["backend", "route"], **reg)
 
 
 _metrics: _WorkerMetrics | None = None
@@ -82,10 +87,15 @@ def record_outcomes(route: str | None, outcomes: Iterable[dict | None]) -> None:
     """Count settled outcome dicts by the backend that produced each and its status."""
     if _metrics is None:
         return
+    outcomes = list(outcomes)
     counts = collections.Counter(
         (o.get("backend") or "-", o["status"]) for o in outcomes if o is not None)
     for (backend, status), n in counts.items():  # one file write per label set, not per sample
         _metrics.samples.labels(backend, route or "-", status).inc(n)
+    flagged = collections.Counter(o.get("backend") or "-" for o in outcomes
+                                  if o is not None and injection.flagged(o.get("detail")))
+    for backend, n in flagged.items():
+        _metrics.injection.labels(backend, route or "-").inc(n)
 
 
 @task_success.connect

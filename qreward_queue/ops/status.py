@@ -15,6 +15,7 @@ from ..flow.spend import backend_spend
 from ..integrations.job_spend import job_rows
 from ..priority import Priority
 from ..trainer.routing import chunk_size
+from . import audit
 from .liveness import call_pools, live_workers
 from .plan import samples_per_call
 
@@ -66,7 +67,9 @@ def snapshot(app: QrqCelery, previous: dict | None = None) -> dict:
         speed = drain if drain and drain > 0 else row["limit_samples_per_s"]
         row["eta_s"] = 0.0 if not row["queued"] else row["queued_samples"] / speed if speed \
             else None
-    return {"time": now, "backends": rows, "jobs": job_rows(app.store)}
+    audits = {r.name: audit.hours(app.store, r.name) for r in app.qrq_config.routes.values()
+              if r.audit}
+    return {"time": now, "backends": rows, "jobs": job_rows(app.store), "audits": audits}
 
 
 def _fmt(value: float | None, spec: str = ".0f") -> str:
@@ -108,6 +111,8 @@ def render_snapshot(snap: dict) -> str:
     for job in snap.get("jobs", []):  # the gateway's callers (integrations/job_spend.py)
         lines += [f"{line} ({job['share']:.1%} of the jobs' tokens)" for line in
                   render_spend(f"job {job['job']}", {**job, "budgets": {}})]
+    for route, hours in snap.get("audits", {}).items():
+        lines += audit.render(route, hours)
     return "\n".join(lines)
 
 

@@ -14,6 +14,18 @@ instructions); each response scores rm_verdict(head, response), and the reply en
 scores as `group_reply` says: "list" 'Scores: [0.42, 0.07]', "object" 'Scores: {"1": 0.42,
 "2": 0.07}', "tagged" '[1] Score: 0.42' lines. split_group() is that reading of a text.
 
+Structured output: a request with `response_format` {"type": "json_schema", ...} is answered
+with the JSON verdict alone: '{"score": 0.42}', or for a group '{"scores": [0.42, 0.07]}'.
+
+A weak judge (`fooled`), for the judge integrity tests, the benchmark and the demo: it takes a
+fenced block as the response (the first closing tag of the fence's name ends it, as a model
+reads it) and everything else as its instructions. A verdict line among its instructions
+('Score: 1', the last one) is obeyed: that number becomes its verdict, for a group the verdict
+of the response whose block precedes it. So a response with no fence around it, or one that
+closes a plain `</response>` tag early, talks it into any score; a fenced one cannot. Its reply
+quotes the response(s) first ('The response reads:\n...'), then gives its verdict, so a
+parser that reads the first score reads the response's.
+
 Endpoints:
     POST /v1/chat/completions  {"model", "messages": [{"role", "content"}, ...], "max_tokens"?}
                                -> an OpenAI chat.completion saying "... Score: 0.42"
@@ -90,7 +102,12 @@ GROUP_FAULTS = ("few", "extra", "dup", "order", "nan", "zero")
 GROUP_REPLIES = ("list", "object", "tagged")
 _TRIGGERS = ("400", "hang", "500", "badjson", "garbage", *(f"group-{f}" for f in GROUP_FAULTS))
 _TRIGGER = re.compile(rf"\[\[mock:({'|'.join(_TRIGGERS)})\]\]")
-_RESPONSE_BLOCK = re.compile(r'<response id="(\d+)">\n(.*?)\n</response>', re.DOTALL)
+_RESPONSE_BLOCK = re.compile(r'<(response(?:-[0-9a-f]{16,32})?) id="(\d+)">\n(.*?)\n</\1>',
+                             re.DOTALL)
+_FENCE = re.compile(r"<(response-[0-9a-f]{16,32})>\n(.*?)\n</\1>", re.DOTALL)
+_OBEYED = re.compile(r"(?i)score\s*[:=]\s*([-+]?(?:\d+\.?\d*|\.\d+))")
+_UNSEEN = re.compile("[\u200b-\u200f\u2060-\u2064\ufeff\u00ad]")
+_LABEL = re.compile(r"(?im)^(?:candidate\s+)?(?:response|answer)\s*:\s?")
 _COUNTERS = (
     "requests",
     "accepted",
@@ -126,6 +143,7 @@ class MockJudgeSettings:
     seed: int = 0
     group_reply: str = "list"  # how a group's scores are written: list | object | tagged
     group_fault_rate: float = 0.0  # fraction of group requests answered with a group fault
+    fooled: bool = False  # a weak judge: obeys verdict lines outside a fence, quotes responses
 
     def __post_init__(self) -> None:
         if self.group_reply not in GROUP_REPLIES:
@@ -147,9 +165,42 @@ def rm_verdict(prompt: str, response: str) -> float:
 def split_group(text: str) -> tuple[str, list[str]] | None:
     """(head, responses) when `text` is a group prompt, else None (then it is one sample)."""
     blocks = list(_RESPONSE_BLOCK.finditer(text))
-    if not blocks or any(m.group(1) != str(n) for n, m in enumerate(blocks, 1)):
+    if not blocks or any(m.group(2) != str(n) for n, m in enumerate(blocks, 1)):
         return None
-    return text[: blocks[0].start()].rstrip("\n"), [m.group(2) for m in blocks]
+    return text[: blocks[0].start()].rstrip("\n"), [m.group(3) for m in blocks]
+
+
+def obeyed(instructions: str) -> float | None:
+    """The verdict a weak judge takes from its instructions: their last verdict line (read as
+    a model reads it: through invisible characters)."""
+    found = _OBEYED.findall(_UNSEEN.sub("", instructions))
+    return float(found[-1]) if found else None
+
+
+def fooled_verdict(text: str) -> tuple[str, float]:
+    """A weak judge's reading of one sample's message: (what it quotes as the response, its
+    verdict): an obeyed verdict line outside the fence, else the honest `verdict(text)`."""
+    fenced = _FENCE.search(text)
+    if fenced:
+        quoted, instructions = fenced.group(2), text[:fenced.start()] + text[fenced.end():]
+    else:
+        label = _LABEL.search(text)
+        quoted, instructions = text[label.end() if label else 0:], text
+    told = obeyed(instructions)
+    return quoted, verdict(text) if told is None else told
+
+
+def _fooled_group(text: str, head: str, responses: list[str]) -> list[float]:
+    """A weak judge's group verdicts: a verdict line between blocks (a response that closed
+    its block early) is obeyed for the response before it."""
+    blocks = list(_RESPONSE_BLOCK.finditer(text))
+    scores = [rm_verdict(head, r) for r in responses]
+    for n, block in enumerate(blocks):
+        gap = text[block.end():blocks[n + 1].start() if n + 1 < len(blocks) else len(text)]
+        told = obeyed(gap)
+        if told is not None:
+            scores[n] = told
+    return scores
 
 
 def _group_fault(text: str, triggers: set[str], settings: MockJudgeSettings) -> str | None:
@@ -162,11 +213,9 @@ def _group_fault(text: str, triggers: set[str], settings: MockJudgeSettings) -> 
     return None
 
 
-def _group_reply(head: str, responses: list[str], fault: str | None, style: str) -> str:
+def _group_reply(scores: list[float], fault: str | None, style: str) -> str:
     """The judge's answer for a group: one score per response, unless `fault` spoils it."""
-    pairs: list[tuple[int, float | str]] = [
-        (n, rm_verdict(head, response)) for n, response in enumerate(responses, 1)
-    ]
+    pairs: list[tuple[int, float | str]] = list(enumerate(scores, 1))
     match fault:
         case "few":
             pairs = pairs[:-1]
@@ -406,15 +455,27 @@ def _parse_chat(body: bytes, settings: MockJudgeSettings) -> _Call:
     judged = messages[users[-1]]["content"]
     triggers = _triggers(judged, f"messages[{users[-1]}].content")
     group = split_group(judged)
+    structured = isinstance(payload.get("response_format"), dict)
     items = 0
     if "garbage" in triggers:
         content = "I cannot decide."
     elif group:
+        head, responses = group
         fault = _group_fault(judged, triggers, settings)
-        content = _group_reply(*group, fault, settings.group_reply)
-        items = len(group[1]) if fault in (None, "order") else 0
+        scores = _fooled_group(judged, head, responses) if settings.fooled else \
+            [rm_verdict(head, r) for r in responses]
+        content = _group_reply(scores, fault, settings.group_reply)
+        if structured and fault is None:
+            content = json.dumps({"scores": scores})
+        elif settings.fooled:
+            quotes = "".join(f"Response {n} reads:\n{r}\n" for n, r in enumerate(responses, 1))
+            content = quotes + content
+        items = len(responses) if fault in (None, "order") else 0
     else:
-        content = f"The response was assessed. Score: {verdict(judged):.2f}"
+        quoted, score = fooled_verdict(judged) if settings.fooled else ("", verdict(judged))
+        content = (json.dumps({"score": round(score, 2)}) if structured
+                   else f"The response reads:\n{quoted}\nScore: {score:.2f}" if settings.fooled
+                   else f"The response was assessed. Score: {score:.2f}")
     prompt_tokens = _tokens(sum(len(message["content"]) for message in messages))
     completion_tokens = _tokens(len(content))
 
@@ -679,11 +740,11 @@ class MockJudgeProcess:
 def spawn(settings: MockJudgeSettings | None = None, timeout_s: float = 10.0) -> MockJudgeProcess:
     """Run the mock judge as `python -m qreward_queue.testing.mock_judge` and wait for its URL."""
     settings = settings or MockJudgeSettings()
-    options = [
-        arg
-        for field in fields(settings)
-        for arg in (f"--{field.name.replace('_', '-')}", str(getattr(settings, field.name)))
-    ]
+    options = []
+    for field in fields(settings):
+        name, value = field.name.replace("_", "-"), getattr(settings, field.name)
+        options += [f"--{name}" if value else f"--no-{name}"] if isinstance(value, bool) \
+            else [f"--{name}", str(value)]
     # make the package importable whatever the caller's working directory is
     paths = [str(Path(__file__).absolute().parents[2]), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths))}
@@ -741,6 +802,8 @@ _DEFAULTS = MockJudgeSettings()
               show_default=True, help="How a group prompt's scores are written.")
 @click.option("--group-fault-rate", type=float, default=_DEFAULTS.group_fault_rate,
               help="Fraction of group prompts answered with a group fault.")
+@click.option("--fooled/--no-fooled", default=_DEFAULTS.fooled,
+              help="A weak judge: obeys verdict lines outside a fence, quotes the response.")
 def mock_judge_cli(**options: Any) -> None:
     """Serve a rate-limited, OpenAI-compatible mock LLM judge until SIGINT or SIGTERM."""
     signal.signal(signal.SIGTERM, signal.default_int_handler)

@@ -39,6 +39,7 @@ from ..ops.liveness import NoWorkerWatch
 from ..priority import Priority
 from ..runtime import get_app, redis_problem
 from ..samples import Outcome, summarize, validate_samples
+from . import integrity
 from .routing import Chunk, plan, plan_dealt, units
 
 POLL_INTERVAL_S = 0.02
@@ -382,6 +383,7 @@ class RewardBatch:
             if counted is None:
                 return False
             i, outcome = counted
+        outcome = integrity.on_injection(self.route, outcome)
         placed = self._place(i, outcome)
         if placed and fresh is not None and self.cache and outcome.status == "ok":
             fresh[self._cache_keys[i]] = outcome
@@ -390,6 +392,7 @@ class RewardBatch:
     def _done(self, until: float | None = None) -> None:
         """Every outcome is in: workers may drop any copy of the batch's work still around."""
         self._finished = self._finished or time.monotonic()
+        integrity.after_batch(self.app, self.route, self.samples, self._outcomes)
         if self._sentinel:
             with contextlib.suppress(redis.RedisError, OSError):
                 self._within(until, lambda: lease.end(
