@@ -48,13 +48,26 @@ class ConnectProxy:
 
     def start(self) -> ConnectProxy:
         self.bind()
-        threading.Thread(target=self.loop.run_forever, name="connect-proxy", daemon=True).start()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="connect-proxy",
+                                        daemon=True)
+        self._thread.start()
         return self
 
     def stop(self) -> None:
-        if self._server is not None:
+        """Close the listener and every relay, then the loop."""
+
+        async def close_all() -> None:
+            assert self._server is not None
             self._server.close()
+            relays = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in relays:
+                task.cancel()
+            await asyncio.gather(*relays, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(close_all(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
 
     def __enter__(self) -> ConnectProxy:
         return self.start()
