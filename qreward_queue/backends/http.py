@@ -118,8 +118,8 @@ class HttpBackend(BackendClient):
         with a reply that holds none)."""
 
     def feedback(self, result: Call | ScoringError) -> Feedback:
-        """A 2xx answered, a 429 refused for rate; `x-ratelimit-*` and `Retry-After` say the
-        limits; `usage.total_tokens` what the call used."""
+        """A 2xx answered, a 429 (or Anthropic's 529) refused for rate; `x-ratelimit-*` (or
+        `anthropic-ratelimit-*`) and `Retry-After` say the limits; `usage` what the call used."""
         return Feedback.from_http(
             result.status_code, result.headers,
             timed_out=isinstance(result, ScoringError) and result.timed_out,
