@@ -82,7 +82,7 @@ def run_mode(mode: str, args, certs: Certs | None) -> list[dict]:
                                  tls_cert=str(certs.cert) if tls and certs else "",
                                  tls_key=str(certs.key) if tls and certs else "")
     with contextlib.ExitStack() as stack:
-        judge = stack.enter_context(spawn(settings))
+        judge = stack.enter_context(spawn(settings, timeout_s=60))  # a loaded machine
         proxy = stack.enter_context(spawn_proxy()).url if mode == "proxy" else None
         backend = Backend(name=f"judge-{mode}", kind="judge", url=judge.url + "/v1",
                           model="mock", timeout_s=10, proxy=proxy or "",

@@ -82,7 +82,6 @@ class Reply:
 class _Server:
     """Where a URL's requests go, parsed once: the server, and the proxy on the way."""
 
-    tls: bool
     host: str
     port: int
     head: str  # the request line and the fixed headers
@@ -118,7 +117,7 @@ def _server(url: str, query: tuple[tuple[str, str], ...] = (), proxy: str | None
             "Content-Type: application/json\r\nAccept-Encoding: identity\r\n")
     if via:
         where += f" (via proxy {via[0]}:{via[1]})"
-    return _Server(tls, host, port, head, where, context, via,
+    return _Server(host, port, head, where, context, via,
                    tunnel.encode("latin-1") if tunnel else None)
 
 
@@ -173,6 +172,9 @@ def _take_socket(server: _Server, timeout_s: float) -> tuple[socket.socket, bool
     try:
         sock = socket.create_connection(server.via or (server.host, server.port),
                                         timeout=min(CONNECT_TIMEOUT_S, timeout_s))
+    except OSError as exc:  # refused, unreachable, unknown host...
+        raise _failed(server, exc) from None
+    try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if server.tunnel:
             sock.sendall(server.tunnel)
@@ -185,8 +187,9 @@ def _take_socket(server: _Server, timeout_s: float) -> tuple[socket.socket, bool
             _tunnel_opened(server, head)
         if server.ssl:
             sock = server.ssl.wrap_socket(sock, server_hostname=server.host)
-    except OSError as exc:  # refused, unreachable, unknown host, no handshake, TLS...
-        raise _failed(server, exc) from None
+    except BaseException as exc:  # no tunnel, no handshake, TLS...: the socket goes too
+        sock.close()
+        raise _failed(server, exc) if isinstance(exc, OSError) else exc from None
     return sock, False
 
 
@@ -441,12 +444,17 @@ async def _open(server: _Server) -> _Connection:
     host, port = server.via or (server.host, server.port)
     _, conn = await loop.create_connection(  # TCP_NODELAY is asyncio's default
         _Connection, host, port, ssl=direct, server_hostname=server.host if direct else None)
-    if server.tunnel is not None:
+    if server.tunnel is None:
+        return conn
+    try:
         _tunnel_opened(server, await conn.handshake(server.tunnel))
         if server.ssl is not None:
             assert conn.transport is not None
             conn.transport = await loop.start_tls(
                 conn.transport, conn, server.ssl, server_hostname=server.host)
+    except BaseException:  # no tunnel, no handshake, TLS, a timeout: the connection goes too
+        conn.close()
+        raise
     return conn
 
 
