@@ -144,18 +144,23 @@ def test_https_proxy_carries_tls_in_connect_tunnels_and_no_proxy_bypasses_it(
     assert proxy.counts["tunnels"] == 2
 
 
-def test_a_backend_proxy_relays_plain_http_and_overrides_the_environment(
+def test_http_proxy_relays_plain_http_and_a_backend_proxy_overrides_the_environment(
     plain_judge, proxy, monkeypatch
 ):
-    # Given a backend file naming its own proxy, and an environment with a dead one
-    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
-    config = judge_config(plain_judge.url, proxy=proxy.url)
-    # Then both paths reach the judge through the backend's proxy (full-URL requests)
+    # Given HTTP_PROXY naming the proxy, then both paths reach a plain-HTTP judge through it
+    monkeypatch.setenv("HTTP_PROXY", proxy.url)
+    config = judge_config(plain_judge.url)
     assert score_both_ways(config) == [expected_score(config)] * 2
     assert proxy.counts == {"tunnels": 0, "forwards": 2, "refused": 0}
+    # Given an environment with a dead proxy and a backend file naming the live one
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    transport._server.cache_clear()
+    transport._forget_sockets()
+    assert score_both_ways(replace(config, proxy=proxy.url)) == [expected_score(config)] * 2
+    assert proxy.counts["forwards"] == 4
     # and `proxy = ""` goes straight to the judge, whatever the environment says
     assert score_both_ways(replace(config, proxy="")) == [expected_score(config)] * 2
-    assert proxy.counts["forwards"] == 2
+    assert proxy.counts["forwards"] == 4
 
 
 def test_a_proxy_refusing_the_tunnel_is_one_clear_line(tls_judge, certs):
