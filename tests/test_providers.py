@@ -333,8 +333,9 @@ def test_headers_and_query_read_their_variables_at_call_time_and_redact_them(
     ({"headers": {"Host": "x"}}, "backend.headers: 'Host' is not a header qrq can send"),
     ({"headers": {"X-Key": 12345}}, "backend.headers.X-Key: expected a text value on one line"),
     ({"ca_file": "nowhere.pem"}, "backend.ca_file: expected a PEM file (no file "),
-    ({"proxy": "https://proxy:3128"}, 'backend.proxy: expected an http://host:port URL, or "" '
-                                      "for none"),
+    ({"proxy": "https://u:secret-pw@proxy:3128"}, 'backend.proxy: expected an http://host:port '
+                                                  "URL, or \"\" for none, got "
+                                                  "'https://proxy:3128'"),
     ({"verify": "no"}, "backend.verify: expected bool"),
 ])
 def test_wrong_provider_settings_are_one_precise_line(tmp_path, backend, message):

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..errors import ConfigError, ScoringError
 from ..flow.ratelimit_headers import Feedback
+from ..redact import redact_url
 from ..settings import Backend
 from ..toml_table import Table, expand_env
 from .base import BackendClient, Call
@@ -68,8 +69,9 @@ class HttpBackend(BackendClient):
         proxy = table.get("proxy", str, None, expected='an http://host:port URL, or "" for none')
         if proxy:
             proxy = expand_env(proxy, table.where("proxy"))
-            if not proxy.startswith("http://"):
-                raise table.fail("proxy", 'an http://host:port URL, or "" for none')
+            if not proxy.startswith("http://"):  # shown without its password
+                raise ConfigError(f"{table.where('proxy')}: expected an http://host:port URL, "
+                                  f'or "" for none, got {redact_url(proxy)!r}')
         ca_file = table.get("ca_file", str, None, expected="the path of a PEM file")
         if ca_file is not None:
             path = Path(table.source).parent / Path(ca_file).expanduser()
