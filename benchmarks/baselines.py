@@ -88,13 +88,14 @@ def naive(backend: Backend, samples: list[dict]) -> list[SampleResult]:
 
 
 # (b) --------------------------------------------------------------------------------------------
-def async_semaphore(backend: Backend, samples: list[dict],
-                    concurrency: int = SEMAPHORE) -> list[SampleResult]:
-    """asyncio + aiohttp, `concurrency` calls at once, exponential backoff on 429."""
-    return asyncio.run(_async_semaphore(backend, samples, concurrency))
+def async_semaphore(backend: Backend, samples: list[dict], concurrency: int = SEMAPHORE,
+                    ssl_context=None, proxy: str | None = None) -> list[SampleResult]:
+    """asyncio + aiohttp, `concurrency` calls at once, exponential backoff on 429 (over TLS
+    trusting `ssl_context`, through `proxy` when given)."""
+    return asyncio.run(_async_semaphore(backend, samples, concurrency, ssl_context, proxy))
 
 
-async def _async_semaphore(backend, samples, concurrency):
+async def _async_semaphore(backend, samples, concurrency, ssl_context=None, proxy=None):
     import aiohttp
 
     req = _Request(backend)
@@ -106,7 +107,8 @@ async def _async_semaphore(backend, samples, concurrency):
             started = time.perf_counter()
             for attempt in range(BACKOFF_ATTEMPTS):
                 try:
-                    async with session.post(req.endpoint, json=req.payload(sample)) as resp:
+                    async with session.post(req.endpoint, json=req.payload(sample),
+                                            proxy=proxy) as resp:
                         body = await resp.json(content_type=None)
                         if resp.status == 200:
                             latency = (time.perf_counter() - started) * 1000
@@ -119,7 +121,7 @@ async def _async_semaphore(backend, samples, concurrency):
                 await asyncio.sleep(random.uniform(0, delay))
             return SampleResult(0.0, False, (time.perf_counter() - started) * 1000)
 
-    connector = aiohttp.TCPConnector(limit=concurrency)
+    connector = aiohttp.TCPConnector(limit=concurrency, ssl=ssl_context or True)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         return await asyncio.gather(*(one(session, s) for s in samples))
 

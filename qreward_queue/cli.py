@@ -270,6 +270,10 @@ def worker(
         raise ConfigError("qrq worker needs Redis: set QRQ_REDIS_URL or [redis] url in qrq.toml")
     if missing := backend.missing_api_key():
         raise ConfigError(f"{missing}: export it before starting the worker")
+    if not backend.verify:
+        click.echo(f"qrq: warning: {backend.source}: backend.verify = false: the TLS "
+                   f"certificate of backend {backend.name!r} is not checked (anyone on the way "
+                   "can read and change its calls); trust its CA with ca_file instead", err=True)
     check_redis(config)  # at start, one line; once running, an outage is ridden out
     known = config.backends.get(backend.name)
     if known is not None and Path(known.source).resolve() != Path(backend_file).resolve():

@@ -43,3 +43,13 @@ class Priority(str, Enum):
 
 
 LEVELS = {Priority.VAL: 0, Priority.TRAIN: 6, Priority.BULK: 9}
+
+# A worker stamps its task's level on the samples of its calls under this key, so that a
+# judge with `priority_field` can send it as the request's `priority` (vLLM and SGLang serve
+# lower values first, as the broker does: val before train before bulk).
+CALL_LEVEL = "qrq_level"
+
+
+def stamped(samples: list[dict], level: int | None) -> list[dict]:
+    """`samples` carrying `level` (their task's message priority) under CALL_LEVEL."""
+    return samples if level is None else [{**s, CALL_LEVEL: level} for s in samples]

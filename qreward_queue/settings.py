@@ -14,6 +14,7 @@ from typing import Any
 from .errors import UnknownRoute
 from .flow.ratelimit_headers import DEFAULT_MAX_PAUSE_S
 from .redact import remember
+from .toml_table import env_names
 
 DEFAULT_TEMPLATE = (
     "Rate the response to the prompt on a scale from 0 to 1.\n"
@@ -153,6 +154,15 @@ class Backend:
     structured: bool = False
     batch_size: int = 16
     function: str | None = None
+    # HTTP kinds (backends/http.py, dialects.py, transport.py): how a provider wants its calls
+    dialect: str = "openai"  # openai | anthropic | azure: the request and reply shapes
+    auth: str = "bearer"  # how the API key is sent: bearer | api-key | x-api-key | none
+    headers: tuple[tuple[str, str], ...] = ()  # extra headers; ${VAR} read at call time
+    query: tuple[tuple[str, str], ...] = ()  # query parameters; ${VAR} read at call time
+    proxy: str | None = None  # an http:// proxy; "": none; None: HTTPS_PROXY/HTTP_PROXY/NO_PROXY
+    ca_file: str | None = None  # the CA that signs the server's certificate (a private judge)
+    verify: bool = True  # False only when a file says so; the worker warns at start
+    priority_field: bool = False  # send the call's priority as `priority` (vLLM, SGLang)
     # a kind's own settings (a function: its keyword arguments, fn(sample, **options))
     options: dict[str, Any] = field(default_factory=dict, hash=False)
     limits: Limits = field(default_factory=Limits)
@@ -174,7 +184,8 @@ class Backend:
         return key
 
     def missing_api_key(self) -> str | None:
-        """Why this process cannot call the backend (its key variable is unset), else None.
+        """Why this process cannot call the backend (its key variable, or one a header or
+        query parameter names, is unset), else None.
 
         A backend-level problem, not a sample's: `qrq worker` refuses to start on it, and the
         worker side treats it like an open circuit (the work fails over to a sibling).
@@ -184,6 +195,12 @@ class Backend:
                 f"{self.source}: backend.api_key_env: environment variable {self.api_key_env} "
                 f"(the API key of backend {self.name!r}) is not set in this process"
             )
+        for table, pairs in (("headers", self.headers), ("query", self.query)):
+            for key, value in pairs:
+                for name in env_names(value):
+                    if name not in os.environ:
+                        return (f"{self.source}: backend.{table}.{key}: environment variable "
+                                f"{name} is not set in this process")
         return None
 
 

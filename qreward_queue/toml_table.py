@@ -34,6 +34,11 @@ def expand_env(value: str, where: str) -> str:
     return _ENV_REF.sub(fill, value)
 
 
+def env_names(value: str) -> list[str]:
+    """The variables `value` needs (`${VAR}`, without a `:-default`)."""
+    return [m.group(1) for m in _ENV_REF.finditer(value) if m.group(2) is None]
+
+
 class Table:
     """A TOML table that reports wrong or unknown keys with the file and the key's path.
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from qreward_queue.config import load_backend
-from qreward_queue.flow.ratelimit_headers import MAX_RESET_S, RateLimitHeaders
+from qreward_queue.flow.ratelimit_headers import MAX_RESET_S, Feedback, RateLimitHeaders
 
 
 def read(max_pause_s: float = 60.0, **headers: str) -> RateLimitHeaders:
@@ -59,3 +59,27 @@ def test_max_pause_s_is_configured_per_backend(tmp_path):
     assert load_backend(path).limits.max_pause_s == 60.0
     path.write_text(path.read_text() + "[limits]\nmax_pause_s = 15\n")
     assert load_backend(path).limits.max_pause_s == 15.0
+
+
+def test_anthropic_headers_fill_the_same_fields_and_name_themselves_when_wrong():
+    told = RateLimitHeaders.from_headers({
+        "anthropic-ratelimit-requests-limit": "50",
+        "anthropic-ratelimit-requests-remaining": "0",
+        "anthropic-ratelimit-requests-reset": "1970-01-01T00:01:40Z",
+        "anthropic-ratelimit-tokens-limit": "40000",
+        "anthropic-ratelimit-tokens-remaining": "39000",
+        "anthropic-ratelimit-tokens-reset": "soon",
+        "retry-after": "3",
+    }, now=95.0)
+    assert (told.limit_requests, told.remaining_requests, told.reset_requests_s) == (50, 0, 5)
+    assert (told.limit_tokens, told.remaining_tokens, told.reset_tokens_s) == (40000, 39000, None)
+    assert told.retry_after_s == 3 and told.pause_s() == 3
+    assert told.bounded == ("anthropic-ratelimit-tokens-reset 'soon' ignored: not a delay",)
+    # OpenAI's header wins where a server sends both
+    both = {"x-ratelimit-limit-requests": "60", "anthropic-ratelimit-requests-limit": "50"}
+    assert RateLimitHeaders.from_headers(both).limit_requests == 60
+
+
+def test_a_529_is_refused_for_rate_as_a_429_is():
+    assert Feedback.from_http(529, {}).rate_limited and Feedback.from_http(429, {}).rate_limited
+    assert not Feedback.from_http(503, {}).rate_limited

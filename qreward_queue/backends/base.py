@@ -131,24 +131,33 @@ def read_score_range(t: Table, default: tuple[float, float] | None
     return low, high
 
 
+_USAGE_KEYS = (("prompt_tokens", "completion_tokens"), ("input_tokens", "output_tokens"))
+
+
 def usage_tokens(body: Any) -> int | None:
-    """`usage.total_tokens` of a reply when it is a plausible count, else None (unknown)."""
+    """`usage.total_tokens` of a reply when it is a plausible count (Anthropic's: input plus
+    output), else None (unknown)."""
     usage = body.get("usage") if isinstance(body, dict) else None
     tokens = usage.get("total_tokens") if isinstance(usage, dict) else None
+    if tokens is None and isinstance(usage, dict) and "input_tokens" in usage:
+        split = usage_split(body)
+        return None if split is None else sum(split)
     return tokens if _plausible(tokens) else None
 
 
 def usage_split(body: Any) -> tuple[int, int] | None:
-    """`usage`'s (prompt_tokens, completion_tokens) when plausible; a reply giving only
-    `total_tokens` counts it as input; else None (unknown)."""
+    """`usage`'s (prompt_tokens, completion_tokens), or Anthropic's (input_tokens,
+    output_tokens), when plausible; a reply giving only `total_tokens` counts it as input;
+    else None (unknown)."""
     usage = body.get("usage") if isinstance(body, dict) else None
     if not isinstance(usage, dict):
         return None
-    counts: list[Any] = [usage.get(k) for k in ("prompt_tokens", "completion_tokens")]
-    if all(_plausible(c) for c in counts):
-        return counts[0], counts[1]
-    total = usage_tokens(body)
-    return None if total is None else (total, 0)
+    for keys in _USAGE_KEYS:
+        counts: list[Any] = [usage.get(k) for k in keys]
+        if all(_plausible(c) for c in counts):
+            return counts[0], counts[1]
+    total = usage.get("total_tokens")
+    return (total, 0) if isinstance(total, int) and _plausible(total) else None
 
 
 def _plausible(tokens: Any) -> bool:

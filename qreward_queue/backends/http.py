@@ -5,17 +5,38 @@ The sockets and the reply parser live in `transport.py`, which only a call or a 
 
 from __future__ import annotations
 
+import re
 from abc import abstractmethod
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ..errors import ScoringError
+from ..errors import ConfigError, ScoringError
 from ..flow.ratelimit_headers import Feedback
+from ..redact import redact_url
 from ..settings import Backend
 from ..toml_table import Table, expand_env
 from .base import BackendClient, Call
+from .dialects import AUTH_SCHEMES, DIALECTS, Dialect
 
 if TYPE_CHECKING:
     from .transport import Reply
+
+
+_TOKEN = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")  # an HTTP header name
+_FRAMING = ("host", "content-length", "content-type", "transfer-encoding", "connection")
+
+
+def _pairs(table: Table, key: str, defaults: tuple[tuple[str, str], ...]
+           ) -> tuple[tuple[str, str], ...]:
+    """`key = { name = "value", ... }` (values may name `${VAR}`s, read at call time) after
+    the dialect's `defaults` that the file does not set itself."""
+    given = table.get(key, dict, {}, expected='a table of names = "text values"')
+    for name, value in given.items():  # the value is not shown: it may be a pasted key
+        if not isinstance(value, str) or "\n" in value or "\r" in value:
+            raise ConfigError(f"{table.where(key)}.{name}: expected a text value on one line "
+                              '(a secret as "${VAR}", the NAME of its environment variable)')
+    named = {name.lower() for name in given}
+    return tuple((n, v) for n, v in defaults if n.lower() not in named) + tuple(given.items())
 
 
 class HttpBackend(BackendClient):
@@ -35,19 +56,48 @@ class HttpBackend(BackendClient):
                          table.where("url"))
         if not url.startswith(("http://", "https://")):
             raise table.fail("url", "an http(s) URL")
-        return {"url": url}
+        dialect = cls.read_dialect(table)
+        auth = table.get("auth", str, dialect.auth, expected=f"one of {', '.join(AUTH_SCHEMES)}")
+        if auth not in AUTH_SCHEMES:
+            raise table.fail("auth", f"one of {', '.join(AUTH_SCHEMES)}")
+        headers = _pairs(table, "headers", dialect.headers)
+        for name, _ in headers:
+            if not _TOKEN.fullmatch(name) or name.lower() in _FRAMING:
+                raise ConfigError(f"{table.where('headers')}: {name!r} is not a header qrq can "
+                                  f"send (a name of letters, digits and !#$%&'*+-.^_`|~; not "
+                                  f"one of {', '.join(_FRAMING)})")
+        proxy = table.get("proxy", str, None, expected='an http://host:port URL, or "" for none')
+        if proxy:
+            proxy = expand_env(proxy, table.where("proxy"))
+            if not proxy.startswith("http://"):  # shown without its password
+                raise ConfigError(f"{table.where('proxy')}: expected an http://host:port URL, "
+                                  f'or "" for none, got {redact_url(proxy)!r}')
+        ca_file = table.get("ca_file", str, None, expected="the path of a PEM file")
+        if ca_file is not None:
+            path = Path(table.source).parent / Path(ca_file).expanduser()
+            if not path.is_file():
+                raise table.fail("ca_file", f"a PEM file (no file {path})")
+            ca_file = str(path.resolve())
+        return {"url": url, "dialect": dialect.name, "auth": auth, "headers": headers,
+                "query": _pairs(table, "query", dialect.query), "proxy": proxy,
+                "ca_file": ca_file, "verify": table.get("verify", bool, True)}
+
+    @classmethod
+    def read_dialect(cls, table: Table) -> Dialect:
+        """The provider's shape (`dialects.py`); a kind with a wire format of its own has one."""
+        return DIALECTS["openai"]
 
     def connect(self) -> None:
         """Open the calling thread's kept-alive connection ahead of its first call."""
         from .transport import connect
 
-        connect(self.endpoint, self.config.timeout_s)
+        connect(self.config, self.endpoint)
 
     async def connect_async(self) -> None:
         """Open one more kept-alive connection on the call loop ahead of its first call."""
         from .transport import connect_async
 
-        await connect_async(self.endpoint, self.config.timeout_s)
+        await connect_async(self.config, self.endpoint)
 
     def call(self, samples: list[dict]) -> Call:
         from .transport import post_json
@@ -70,8 +120,8 @@ class HttpBackend(BackendClient):
         with a reply that holds none)."""
 
     def feedback(self, result: Call | ScoringError) -> Feedback:
-        """A 2xx answered, a 429 refused for rate; `x-ratelimit-*` and `Retry-After` say the
-        limits; `usage.total_tokens` what the call used."""
+        """A 2xx answered, a 429 (or Anthropic's 529) refused for rate; `x-ratelimit-*` (or
+        `anthropic-ratelimit-*`) and `Retry-After` say the limits; `usage` what the call used."""
         return Feedback.from_http(
             result.status_code, result.headers,
             timed_out=isinstance(result, ScoringError) and result.timed_out,

@@ -18,10 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 from .. import groups, injection
 from ..errors import ConfigError, PermanentError, ScoringError
+from ..priority import CALL_LEVEL
 from ..settings import DEFAULT_SCORE_PATTERN, DEFAULT_TEMPLATE, Backend
 from ..toml_table import Table
 from . import passthrough
 from .base import Call, checked_score, read_score_range, usage_split, usage_tokens
+from .dialects import DIALECTS, Dialect
 from .http import HttpBackend
 
 if TYPE_CHECKING:
@@ -43,7 +45,15 @@ class JudgeBackend(HttpBackend):
     def __init__(self, config: Backend):
         super().__init__(config)
         self.pattern = re.compile(config.score_pattern)
-        self.endpoint = self.endpoint.rstrip("/") + "/chat/completions"
+        self.dialect = DIALECTS[config.dialect]
+        self.endpoint = self.endpoint.rstrip("/") + self.dialect.path
+
+    @classmethod
+    def read_dialect(cls, table: Table) -> Dialect:
+        name = table.get("dialect", str, "openai")
+        if name not in DIALECTS:
+            raise table.fail("dialect", f"one of {', '.join(DIALECTS)}")
+        return DIALECTS[name]
 
     @classmethod
     def read_options(cls, b: Table) -> dict[str, Any]:
@@ -70,6 +80,7 @@ class JudgeBackend(HttpBackend):
         default = groups.DEFAULT_GROUP_TEMPLATE if "group_template" in values else DEFAULT_TEMPLATE
         default_range = (0.0, 1.0) if template == default else None
         values["score_range"] = read_score_range(b, default_range)
+        values["priority_field"] = b.get("priority_field", bool, False)
         return values
 
     @property
@@ -145,22 +156,30 @@ class JudgeBackend(HttpBackend):
         vote = samples[0].get("vote") if len(samples) == 1 else None
         if vote and "temperature" in vote:  # an ensemble's judge asked again: another draw
             payload.update(temperature=vote["temperature"], seed=vote["index"])
-        return payload
+        return self.wire_request(samples, payload)
+
+    def wire_request(self, samples: list[dict], chat: dict) -> dict:
+        """The body the provider gets for the OpenAI chat body `chat`: in its dialect, with
+        the call's priority when the server schedules by it (`priority_field`)."""
+        body = self.dialect.body(chat)
+        level = samples[0].get(CALL_LEVEL) if self.config.priority_field else None
+        if level is not None:  # vLLM: lower first, as qrq's levels (val 0, train 6, bulk 9)
+            body["priority"] = level
+        return body
+
+    def reply_text(self, reply: Reply) -> str:
+        """The judge's text in the provider's reply, or the error naming what it lacks."""
+        try:
+            return self.dialect.text(reply.body)
+        except PermanentError as exc:
+            raise PermanentError(str(exc), exc.detail, status_code=reply.status_code,
+                                 headers=reply.headers) from None
 
     def answer(self, samples: list[dict], reply: Reply) -> Call:
         if passthrough.call_request(samples) is not None:
             return passthrough.answer(reply)
+        content = self.reply_text(reply)
         facts: dict[str, Any] = {"status_code": reply.status_code, "headers": reply.headers}
-        try:
-            content = reply.body["choices"][0]["message"]["content"]
-        except (KeyError, IndexError, TypeError):
-            raise PermanentError(
-                "reply has no choices[0].message.content", str(reply.body)[:500], **facts
-            ) from None
-        if not isinstance(content, str):
-            raise PermanentError(
-                "choices[0].message.content is not text", str(content)[:500], **facts
-            )
         responses = [s["response"] for s in samples]
         scores = self.parse_group(content, responses) if self.grouped \
             else self.parse_score(content, responses[0])

@@ -1,4 +1,9 @@
-"""Parse the rate-limit headers of OpenAI-compatible APIs into numbers the limiter can use.
+"""Parse the rate-limit headers of OpenAI-compatible APIs (and Anthropic's) into numbers the
+limiter can use.
+
+Anthropic's `anthropic-ratelimit-{requests,tokens}-{limit,remaining,reset}` (the reset an
+RFC 3339 time) fill the same fields as OpenAI's `x-ratelimit-*`, and its 529 "overloaded"
+counts as a 429 (`RATE_LIMITED_STATUSES`): every provider feeds the same flow control.
 
 Pure functions, no I/O: a backend's answer is untrusted input, so `RateLimitHeaders.from_headers`
 turns every absent, negative or malformed value into ``None`` instead of raising in the middle
@@ -13,6 +18,7 @@ import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from email.utils import parsedate_to_datetime
 
 _UNIT_S = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
@@ -42,6 +48,22 @@ def parse_duration(value: str) -> float:
     return _number(text)
 
 
+def parse_reset(value: str, now: float | None = None) -> float:
+    """Seconds until a reset: a duration (OpenAI's ``6m0s``) or an RFC 3339 time (Anthropic's
+    ``2026-01-01T00:00:30Z``; one in the past gives 0).
+
+    >>> parse_reset("1.5s"), parse_reset("1970-01-01T00:00:10Z", now=4.0)
+    (1.5, 6.0)
+    """
+    try:
+        return parse_duration(value)
+    except ValueError:
+        when = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
+    if when.tzinfo is None:
+        raise ValueError(f"not a reset time with a zone: {value!r}")
+    return max(0.0, when.timestamp() - (time.time() if now is None else now))
+
+
 def parse_retry_after(value: str, now: float | None = None) -> float:
     """Seconds to wait from a ``Retry-After`` value: delay-seconds or an HTTP-date.
 
@@ -66,6 +88,7 @@ DEFAULT_MAX_PAUSE_S = 60.0  # [limits] max_pause_s: the longest pause one reply 
 MAX_RESET_S = 86_400.0  # a reset further away than a day is garbage (Redis refuses 1e308 ms)
 MIN_LEARNED_LIMIT = 1.0  # a learned limit below 1 per minute would stop the backend for good
 MAX_COUNT = 1e12  # no limit or remaining count is larger than this
+RATE_LIMITED_STATUSES = frozenset({429, 529})  # refused for rate; 529: Anthropic's overloaded
 
 
 @dataclass(frozen=True)
@@ -113,6 +136,10 @@ class RateLimitHeaders:
 
         def read(name: str, parse, low: float, high: float, unit: str = "") -> float | None:
             raw = lowered.get(name)
+            if raw is None and name.startswith("x-ratelimit-"):  # Anthropic's name for it
+                kind, part = name.removeprefix("x-ratelimit-").split("-")[::-1]
+                name = f"anthropic-ratelimit-{kind}-{part}"
+                raw = lowered.get(name)
             if raw is None:
                 return None
             try:
@@ -137,6 +164,9 @@ class RateLimitHeaders:
         def delay(name: str, parse, high: float) -> float | None:
             return read(name, parse, 0.0, high, " s")
 
+        def reset(value: str) -> float:
+            return parse_reset(value, now)
+
         if "retry-after-ms" in lowered:
             retry_ms = read("retry-after-ms", _number, 0.0, max_pause_s * 1000, " ms")
             retry_after = None if retry_ms is None else retry_ms / 1000.0
@@ -147,8 +177,8 @@ class RateLimitHeaders:
             limit_tokens=count("x-ratelimit-limit-tokens", MIN_LEARNED_LIMIT),
             remaining_requests=count("x-ratelimit-remaining-requests"),
             remaining_tokens=count("x-ratelimit-remaining-tokens"),
-            reset_requests_s=delay("x-ratelimit-reset-requests", parse_duration, MAX_RESET_S),
-            reset_tokens_s=delay("x-ratelimit-reset-tokens", parse_duration, MAX_RESET_S),
+            reset_requests_s=delay("x-ratelimit-reset-requests", reset, MAX_RESET_S),
+            reset_tokens_s=delay("x-ratelimit-reset-tokens", reset, MAX_RESET_S),
             retry_after_s=retry_after,
             bounded=tuple(notes),
             max_pause_s=max_pause_s,
@@ -189,7 +219,7 @@ class Feedback:
     """
 
     answered: bool = False  # the service took the call and answered it (HTTP 2xx)
-    rate_limited: bool = False  # the service refused it for its rate (HTTP 429)
+    rate_limited: bool = False  # the service refused it for its rate (HTTP 429, 529)
     timed_out: bool = False  # no reply within the call's timeout
     told: RateLimitHeaders = field(default_factory=RateLimitHeaders)  # its limits, as it said
     tokens: int | None = None  # tokens the call used, as the reply reported them
@@ -206,7 +236,7 @@ class Feedback:
         """An HTTP reply's status and `x-ratelimit-*` / `Retry-After` headers."""
         return cls(
             answered=status_code is not None and 200 <= status_code < 300,
-            rate_limited=status_code == 429,
+            rate_limited=status_code in RATE_LIMITED_STATUSES,
             timed_out=timed_out,
             told=RateLimitHeaders.from_headers(headers, max_pause_s=max_pause_s),
             tokens=tokens,

@@ -69,6 +69,14 @@ test can aim at one and a retry of the same request meets the same fault:
     [[mock:group-order]]  scores in reverse order, correctly numbered (the only one to accept)
     [[mock:group-nan]]    the last score is "n/a"     [[mock:group-zero]]   numbered from 0
 Faults that need numbers (dup, order, zero) reply as an object when group_reply is "list".
+
+Anthropic (`/v1/messages`): the request needs `x-api-key` (else 401) and `anthropic-version`
+(else 400), `model`, `max_tokens` and `messages` (text or text blocks), `system` apart; it is
+judged and limited as the same chat call, and answered in Anthropic's shapes: the reply's text
+in `content[0].text`, usage as `input_tokens`/`output_tokens`, errors as `{"type": "error",
+"error": {"type", "message"}}`, the limits as `anthropic-ratelimit-{requests,tokens}-{limit,
+remaining,reset}` (the reset an RFC 3339 time), a 429 with `retry-after` in whole seconds, and
+`[[mock:529]]` in the judged text answered 529 overloaded_error (costing nothing).
 """
 
 from __future__ import annotations
@@ -81,6 +89,7 @@ import queue
 import random
 import re
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -89,12 +98,15 @@ import urllib.request
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import click
+
+from ..flow.ratelimit_headers import parse_duration
 
 Json = dict[str, Any]
 
@@ -144,6 +156,8 @@ class MockJudgeSettings:
     group_reply: str = "list"  # how a group's scores are written: list | object | tagged
     group_fault_rate: float = 0.0  # fraction of group requests answered with a group fault
     fooled: bool = False  # a weak judge: obeys verdict lines outside a fence, quotes responses
+    tls_cert: str = ""  # serve HTTPS with this certificate (PEM) and tls_key; "": plain HTTP
+    tls_key: str = ""
 
     def __post_init__(self) -> None:
         if self.group_reply not in GROUP_REPLIES:
@@ -523,6 +537,84 @@ def _parse_rewards(body: bytes) -> _Call:
                  usage=(tokens, 0))
 
 
+def _anthropic_call(body: bytes, settings: MockJudgeSettings) -> _Call:
+    """A Messages request, judged as the chat call it is, its reply an Anthropic message."""
+    call = _parse_chat(_messages_as_chat(body), settings)
+    chat_reply = call.reply
+    call.reply = lambda: _as_message(chat_reply())
+    return call
+
+
+_ANTHROPIC_ERRORS = {400: "invalid_request_error", 401: "authentication_error",
+                     404: "not_found_error", 429: "rate_limit_error", 529: "overloaded_error"}
+
+
+def _messages_as_chat(body: bytes) -> bytes:
+    """An Anthropic Messages request as the chat request it is judged as (400s name the
+    Anthropic field)."""
+    payload = _load_object(body)
+    if type(payload.get("max_tokens")) is not int:
+        raise _BadRequest("max_tokens: Field required (a positive integer)")
+    messages = payload.get("messages")
+    if not isinstance(messages, list):
+        raise _BadRequest("messages: Field required (a list)")
+    chat = []
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):  # text blocks
+            if not all(isinstance(b, dict) and isinstance(b.get("text"), str) for b in content):
+                raise _BadRequest(f"messages.{i}.content: text blocks only")
+            content = "".join(b["text"] for b in content)
+        if not isinstance(content, str) or message.get("role") not in ("user", "assistant"):
+            raise _BadRequest(f"messages.{i}: role user or assistant, and content")
+        chat.append({"role": message["role"], "content": content})
+    if "system" in payload:
+        if not isinstance(payload["system"], str):
+            raise _BadRequest("system: a string")
+        chat.insert(0, {"role": "system", "content": payload["system"]})
+    return json.dumps({**payload, "messages": chat}).encode()
+
+
+def _as_message(chat_reply: Json) -> Json:
+    """A chat.completion reply as an Anthropic message."""
+    usage = chat_reply["usage"]
+    return {
+        "id": f"msg_{chat_reply['id'].removeprefix('chatcmpl-')}",
+        "type": "message",
+        "role": "assistant",
+        "model": chat_reply["model"],
+        "content": [{"type": "text", "text": chat_reply["choices"][0]["message"]["content"]}],
+        "stop_reason": "end_turn",
+        "usage": {"input_tokens": usage["prompt_tokens"],
+                  "output_tokens": usage["completion_tokens"]},
+    }
+
+
+def _anthropic_reply(status: int, body: bytes, headers: dict[str, str]
+                     ) -> tuple[bytes, dict[str, str]]:
+    """A reply of the chat route in Anthropic's shapes: its error body and its headers."""
+    if status != 200:
+        try:
+            message = json.loads(body)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = body.decode("utf-8", "replace")
+        kind = _ANTHROPIC_ERRORS.get(status, "api_error")
+        body = json.dumps({"type": "error", "error": {"type": kind, "message": message}}).encode()
+    now = time.time()
+    out: dict[str, str] = {}
+    for name, value in headers.items():
+        parts = name.lower().split("-")
+        if parts[:2] == ["x", "ratelimit"]:  # x-ratelimit-{part}-{kind}
+            part, kind = parts[2], parts[3]
+            if part == "reset":
+                at = datetime.fromtimestamp(now + parse_duration(value), timezone.utc)
+                value = at.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+            out[f"anthropic-ratelimit-{kind}-{part}"] = value
+        elif name.lower() == "retry-after":
+            out["retry-after"] = value
+    return body, out
+
+
 class _Server(ThreadingHTTPServer):
     """One thread per connection, with a backlog deep enough for bursts of ~200 clients."""
 
@@ -533,6 +625,11 @@ class _Server(ThreadingHTTPServer):
     def __init__(self, settings: MockJudgeSettings) -> None:
         self.judge = _Judge(settings)
         super().__init__((settings.host, settings.port), _Handler)
+        if settings.tls_cert:  # each connection's handshake on its own thread, at first read
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(settings.tls_cert, settings.tls_key or None)
+            self.socket = context.wrap_socket(self.socket, server_side=True,
+                                              do_handshake_on_connect=False)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         if not isinstance(sys.exc_info()[1], OSError):  # a client hanging up is not news
@@ -543,6 +640,7 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive
     disable_nagle_algorithm = True  # headers and body go out as separate writes
     server: _Server
+    anthropic = False  # this request came to /v1/messages: answered in Anthropic's shapes
 
     def setup(self) -> None:
         super().setup()
@@ -560,6 +658,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _dispatch(self) -> None:
         judge = self.server.judge
         path = urlsplit(self.path).path
+        self.anthropic = path == "/v1/messages"
         try:
             body = self._read_body()
         except _BadRequest as exc:
@@ -571,6 +670,8 @@ class _Handler(BaseHTTPRequestHandler):
                 self._score(body, lambda chat: _parse_chat(chat, judge.settings))
             case "POST", "/v1/rewards":
                 self._score(body, _parse_rewards)
+            case "POST", "/v1/messages":
+                self._messages(body)
             case "GET", "/stats":
                 self._send_json(200, judge.stats())
             case "POST", "/stats/reset":
@@ -621,6 +722,22 @@ class _Handler(BaseHTTPRequestHandler):
             judge.release()  # before replying, so a client's next request finds the slot free
         self._send(status, response, ticket.headers)
 
+    def _messages(self, body: bytes) -> None:
+        """Anthropic's Messages API: its headers checked, then judged as the chat route."""
+        judge = self.server.judge
+        if not self.headers.get("x-api-key"):
+            judge.count("client_errors")
+            self._send_json(401, _error("x-api-key header is required", "authentication_error"))
+        elif not self.headers.get("anthropic-version"):
+            judge.count("client_errors")
+            self._send_json(400, _error("anthropic-version header is required", "invalid"))
+        elif b"[[mock:529]]" in body:
+            judge.count("requests")
+            judge.count("rate_limited")
+            self._send_json(529, _error("Overloaded", "overloaded_error"))
+        else:
+            self._score(body, lambda raw: _anthropic_call(raw, judge.settings))
+
     def _answer(self, call: _Call, ticket: _Ticket) -> tuple[int, bytes]:
         """Sit out the simulated latency and faults of an admitted call, then build its reply."""
         judge = self.server.judge
@@ -644,6 +761,8 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(status, json.dumps(payload).encode(), headers or {})
 
     def _send(self, status: int, body: bytes, headers: dict[str, str]) -> None:
+        if self.anthropic:
+            body, headers = _anthropic_reply(status, body, headers)
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
@@ -664,8 +783,9 @@ class MockJudge:
     @property
     def url(self) -> str:
         host, port = self._server.server_address[:2]
+        scheme = "https" if self.settings.tls_cert else "http"
         # typeshed allows a bytes host (AF_UNIX); this AF_INET server's is a str
-        return f"http://{host}:{port}"  # type: ignore[str-bytes-safe]
+        return f"{scheme}://{host}:{port}"  # type: ignore[str-bytes-safe]
 
     def start(self) -> MockJudge:
         if self._thread is None:
@@ -762,7 +882,7 @@ def spawn(settings: MockJudgeSettings | None = None, timeout_s: float = 10.0) ->
         line = lines.get(timeout=timeout_s)
     except queue.Empty:
         line = None
-    match = re.search(r"listening on (http://\S+)", line or "")
+    match = re.search(r"listening on (https?://\S+)", line or "")
     if match:
         return MockJudgeProcess(process, match.group(1))
     process.kill()
@@ -804,6 +924,8 @@ _DEFAULTS = MockJudgeSettings()
               help="Fraction of group prompts answered with a group fault.")
 @click.option("--fooled/--no-fooled", default=_DEFAULTS.fooled,
               help="A weak judge: obeys verdict lines outside a fence, quotes the response.")
+@click.option("--tls-cert", default="", help="Serve HTTPS with this PEM certificate.")
+@click.option("--tls-key", default="", help="The private key of --tls-cert.")
 def mock_judge_cli(**options: Any) -> None:
     """Serve a rate-limited, OpenAI-compatible mock LLM judge until SIGINT or SIGTERM."""
     signal.signal(signal.SIGTERM, signal.default_int_handler)

@@ -26,6 +26,7 @@ from ..errors import Cancelled, DeadlineExceeded, TransientError
 from ..flow import capacity
 from ..message import TASK_NAME, ChunkMessage, summary
 from ..ops import liveness, metrics
+from ..priority import stamped
 from ..samples import Outcome
 from ..trainer.routing import failover_target
 from .chunk_runner import ChunkRunner
@@ -79,7 +80,7 @@ def score_chunk(self, **kwargs: Any) -> list[dict]:
             result = ChunkRunner(
                 config, app.limiter(backend), breaker, attempt, bool(siblings), msg.deadline,
                 stop, record, app.ledger(backend), msg.batch,
-            ).run([samples[i] for i in todo])
+            ).run(_with_level(config, self.request, [samples[i] for i in todo]))
         finally:
             app.ledger(backend).flush()
             if recorder is not None:
@@ -162,6 +163,14 @@ def _settled(done: list[dict | None]) -> list[dict]:
     if len(result) != len(done):
         raise RuntimeError(f"score_chunk: {len(done) - len(result)} sample(s) left unsettled")
     return result
+
+
+def _with_level(config, request, samples: list[dict]) -> list[dict]:
+    """A judge that sends the call's priority (`priority_field`) finds its message's
+    level on each sample (priority.CALL_LEVEL)."""
+    if not config.priority_field:
+        return samples
+    return stamped(samples, (request.delivery_info or {}).get("priority"))
 
 
 def _skip_recorded(app, batch: str, indices: list[int], todo: list[int],
