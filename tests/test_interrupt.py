@@ -78,3 +78,36 @@ def test_ctrl_c_of_qrq_score_cancels_what_it_published_and_writes_every_line(
     wait_for(lambda: not any(redis_client.llen(k) for k in keys.queue_lists("qrq.j"))
              and not redis_client.hlen("qrq:unacked"), 120, "the queue to drain")
     assert judge.stats()["requests"] == 0
+
+
+def test_a_keyboard_interrupt_inside_submit_batch_cancels_what_it_published(
+    tmp_path, redis_url, redis_client, stack
+):
+    # Given a judge, no worker yet, and Ctrl-C due as soon as the batch's lease appears (the
+    # chunks are being published then)
+    import _thread
+    import threading
+
+    import qreward_queue
+
+    judge = stack.enter_context(spawn(MockJudgeSettings(latency_ms=5)))
+    config_path = write_config(tmp_path, {"j": judge_backend(judge.url)}, redis_url=redis_url)
+    app = qreward_queue.configure(qreward_queue.load_config(config_path))
+    samples = [{"prompt": f"q{i}", "response": f"a{i}"} for i in range(SAMPLES)]
+
+    def interrupt_when_publishing() -> None:
+        wait_for(lambda: first_key(redis_client, keys.lease("*")), 60, "the lease",
+                 interval_s=0.002)
+        _thread.interrupt_main()
+
+    threading.Thread(target=interrupt_when_publishing, daemon=True).start()
+    # When submit_batch is interrupted there, it raises KeyboardInterrupt...
+    with pytest.raises(KeyboardInterrupt):
+        qreward_queue.submit_batch(samples, route="j", app=app)
+    # ...having cancelled what went out: a worker started now drops it all unjudged
+    assert redis_client.get(first_key(redis_client, keys.lease("*"))) == b"cancelled"
+    (worker,) = start_workers(config_path, [("j", "after@submit-interrupt")])
+    stack.callback(worker.kill)
+    wait_for(lambda: not any(redis_client.llen(k) for k in keys.queue_lists("qrq.j"))
+             and not redis_client.hlen("qrq:unacked"), 120, "the queue to drain")
+    assert judge.stats()["requests"] == 0
