@@ -29,11 +29,12 @@ from .config import (
     load_backend,
     load_config,
 )
-from .errors import ConfigError, QrqError
+from .errors import Cancelled, ConfigError, QrqError
 from .extras import missing_extra
 from .ops.metrics_http import TOKEN_ENV
 from .priority import Priority
 from .runtime import check_redis, describe_mode, redis_problem
+from .samples import Outcome
 from .testing.mock_judge import mock_judge_cli
 
 EXIT_SOME_NOT_SCORED, EXIT_USAGE, EXIT_NONE_SCORED = 1, 2, 3
@@ -154,22 +155,27 @@ def score(input_file, output, route, priority, deadline_s, config_path) -> None:
     from .trainer.client import submit_batch
 
     config = _load(config_path)
-    click.echo(describe_mode(config), err=True)
-    app = configure(config)
-    samples, lines, unreadable = read_jsonl(input_file)
+    samples: list = []
+    lines: list[int] = []
+    unreadable: dict[int, str] = {}
+    batch = None
     interrupted = False
     try:
-        batch = submit_batch(samples, route, priority, deadline_s, on_invalid="outcome", app=app)
-        with tqdm(total=len(batch), unit="sample", file=sys.stderr, disable=None) as bar:
-            try:
+        try:  # Ctrl-C anywhere in here: what was published is cancelled, every line written
+            click.echo(describe_mode(config), err=True)
+            app = configure(config)
+            read_jsonl(input_file, samples, lines, unreadable)
+            batch = submit_batch(samples, route, priority, deadline_s, on_invalid="outcome",
+                                 app=app)  # interrupted inside, it cancels what it published
+            with tqdm(total=len(batch), unit="sample", file=sys.stderr, disable=None) as bar:
                 while not batch.done() and time.time() < batch.deadline:
                     bar.update(batch.completed - bar.n)
                     time.sleep(0.2)
-            except KeyboardInterrupt:
+        except KeyboardInterrupt:
+            interrupted = True
+            if batch is not None:
                 batch.cancel()
-                interrupted = True
-            outcomes = batch.outcomes()
-            bar.update(len(batch) - bar.n)
+        outcomes = batch.outcomes() if batch is not None else unsubmitted(samples, config)
         # written before the embedded worker stops: its shutdown waits for a call in flight,
         # and the outcomes are due at the deadline, not after that call
         write_outcomes(output, outcomes, lines, unreadable)
@@ -178,6 +184,13 @@ def score(input_file, output, route, priority, deadline_s, config_path) -> None:
     summary, code = summarize(outcomes)
     click.echo(summary, err=True)
     sys.exit(EXIT_INTERRUPTED if interrupted else code)
+
+
+def unsubmitted(samples: list, config: Config) -> list:
+    """The outcomes of samples a Ctrl-C kept from being submitted: each `cancelled`."""
+    why = Outcome.failed(Cancelled("interrupted before it was submitted"))
+    return [why.placed(s.get("id") if isinstance(s, dict) else None, config.fallback_score)
+            for s in samples]
 
 
 def write_outcomes(output, outcomes: list, lines: list[int], unreadable: dict[int, str]) -> None:
@@ -207,24 +220,25 @@ def summarize(outcomes: list) -> tuple[str, int]:
     return line, EXIT_NONE_SCORED if len(failed) == len(outcomes) else EXIT_SOME_NOT_SCORED
 
 
-def read_jsonl(lines_in) -> tuple[list, list[int], dict[int, str]]:
-    """Samples (None for unreadable lines), their line numbers, and why each unreadable one is."""
-    samples, lines, unreadable = [], [], {}
+def read_jsonl(lines_in, samples: list, lines: list[int], unreadable: dict[int, str]) -> None:
+    """Append the samples (None for unreadable lines) to `samples`, their line numbers to
+    `lines`, and why each unreadable one is to `unreadable` (what was read stays read when
+    Ctrl-C stops it)."""
     for number, raw in enumerate(lines_in, start=1):
         if not raw.strip():
             continue
-        lines.append(number)
         try:
-            samples.append(json.loads(raw.decode("utf-8")))
+            sample = json.loads(raw.decode("utf-8"))
         except UnicodeDecodeError as exc:
             unreadable[len(samples)] = (
                 f"line {number}: not UTF-8 ({exc.reason} at byte {exc.start})"
             )
-            samples.append(None)
+            sample = None
         except ValueError as exc:
             unreadable[len(samples)] = f"line {number}: not JSON ({exc})"
-            samples.append(None)
-    return samples, lines, unreadable
+            sample = None
+        lines.append(number)
+        samples.append(sample)
 
 
 @cli.command()

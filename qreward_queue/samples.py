@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -14,6 +14,9 @@ from .redact import redact
 Status = Literal["ok", "cached", "timeout", "error", "cancelled"]
 STATUSES: tuple[str, ...] = ("ok", "cached", "timeout", "error", "cancelled")
 DEFAULT_MAX_SAMPLE_BYTES = 1 << 20
+# lists and objects inside a sample's 'extra' or 'id': every JSON encoder and decoder on the
+# way (the client's, kombu's, the worker's, a backend's request) recurses once per level
+MAX_NESTING = 100
 
 _REQUIRED_TEXT = ("prompt", "response")
 _OPTIONAL_TEXT = ("reference", "data_source")
@@ -128,6 +131,9 @@ def sample_problem(sample: Any, max_bytes: int = DEFAULT_MAX_SAMPLE_BYTES) -> st
     # the text's UTF-8 size plus the JSON of the rest: no full encoding of every sample
     size = sum(len(sample[k].encode("utf-8", "surrogatepass")) for k in _TEXT if sample.get(k))
     rest = {k: sample[k] for k in ("extra", "id", "group") if sample.get(k) is not None}
+    for key in ("extra", "id"):
+        if (why := _shape_problem(key, rest.get(key), max_bytes)) is not None:
+            return why
     if rest:
         try:
             size += len(json.dumps(rest, allow_nan=False))
@@ -135,6 +141,31 @@ def sample_problem(sample: Any, max_bytes: int = DEFAULT_MAX_SAMPLE_BYTES) -> st
             return f"not JSON-serializable ({exc})"
     if size > max_bytes:
         return f"{size} bytes exceeds the {max_bytes}-byte cap per sample"
+    return None
+
+
+def _shape_problem(key: str, value: Any, max_bytes: int) -> str | None:
+    """Why `value` is too deep or has too many parts to serialise, found without recursion and
+    before any encoding (a self-containing value is found too deep)."""
+    max_values = max_bytes // 2  # each value takes at least 2 bytes of JSON with its separator
+    values = 0
+    todo = [(value, 1)]
+    while todo:
+        node, depth = todo.pop()
+        parts: Collection[Any]
+        if isinstance(node, dict):
+            parts = node.values()
+        elif isinstance(node, (list, tuple)):
+            parts = node
+        else:
+            continue
+        if depth > MAX_NESTING:
+            return f"field {key!r} is nested more than {MAX_NESTING} levels deep"
+        values += len(parts)
+        if values > max_values:
+            return (f"field {key!r} holds more than {max_values} values: over the "
+                    f"{max_bytes}-byte cap per sample")
+        todo.extend((part, depth + 1) for part in parts)
     return None
 
 

@@ -8,11 +8,39 @@ import math
 import pytest
 
 from qreward_queue.errors import InvalidSamples
-from qreward_queue.samples import STATUSES, Outcome, sample_problem, validate_samples
+from qreward_queue.samples import (
+    MAX_NESTING,
+    STATUSES,
+    Outcome,
+    sample_problem,
+    validate_samples,
+)
 
 
 def good(i: int = 0, **more) -> dict:
     return {"prompt": f"p{i}", "response": f"r{i}", **more}
+
+
+def nested(levels: int) -> dict:
+    """An object `levels` objects deep: {"a": {"a": ... {}}}."""
+    value: dict = {}
+    for _ in range(levels - 1):
+        value = {"a": value}
+    return value
+
+
+def self_containing() -> dict:
+    value: dict = {}
+    value["me"] = value
+    return value
+
+
+def doubling(levels: int) -> list:
+    """A list of two references to the same list, `levels` deep: 2**levels values."""
+    value: list = []
+    for _ in range(levels):
+        value = [value, value]
+    return value
 
 
 BAD = {
@@ -32,6 +60,14 @@ BAD = {
     "inf id": (good(id=math.inf), "not JSON-serializable", ""),
     "unknown field": (good(respones="typo"), "unknown field(s) 'respones'", ""),
     "two unknown": (good(zz=1, aa=2), "unknown field(s) 'aa', 'zz'", ""),
+    # before: RecursionError out of json.dumps, which sank the whole batch
+    "extra 995 deep": (good(extra=nested(995)), "field 'extra' is nested more than 100", ""),
+    "extra 101 deep": (good(extra=nested(MAX_NESTING + 1)), "nested more than 100 levels", ""),
+    "id 995 deep": (good(id=[nested(994)]), "field 'id' is nested more than 100", ""),
+    "extra holds itself": (good(extra=self_containing()), "nested more than 100 levels", ""),
+    "2**60 values": (good(extra={"l": doubling(60)}), "field 'extra' holds more than 524288",
+                     "over the 1048576-byte cap"),
+    "a million values": (good(extra={"l": [0] * 1_000_000}), "holds more than 524288", ""),
 }
 
 
@@ -51,6 +87,7 @@ def test_each_problem_is_named(name):
         good(id=17),
         {"prompt": "", "response": ""},
         {"prompt": "é 漢字 \U0001f600", "response": "\x00"},
+        good(extra=nested(MAX_NESTING), id=[[1]]),
     ],
 )
 def test_good_samples_pass(sample):
@@ -188,3 +225,31 @@ def test_errors_map_one_to_one_onto_statuses_and_placed_applies_the_fallback():
         placed = failed.placed("s7", fallback_score=-1.0)
         assert (placed.id, placed.score, placed.status) == ("s7", -1.0, status)
     assert Outcome(0.8, "ok").placed("s8", -1.0) == Outcome(0.8, "ok", id="s8")
+
+
+def test_a_too_deep_sample_is_its_own_error_and_the_rest_of_the_batch_is_scored(
+    tmp_path, redis_url, stack
+):
+    # Given a real worker on a mock judge, and a batch whose sample 1 has an `extra` 995
+    # objects deep (before: RecursionError from validation, nothing scored)
+    from support import expected, judge_backend, start_workers, write_config
+
+    import qreward_queue
+    from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn
+
+    judge = stack.enter_context(spawn(MockJudgeSettings(latency_ms=5)))
+    config_path = write_config(tmp_path, {"j": judge_backend(judge.url)}, redis_url=redis_url)
+    app = qreward_queue.configure(qreward_queue.load_config(config_path))
+    (worker,) = start_workers(config_path, [("j", "deep@samples")])
+    stack.callback(worker.kill)
+    samples = [good(0), good(1, extra=nested(995)), good(2, extra={"fine": nested(50)})]
+    # When it is submitted to raise: InvalidSamples names the sample and the limit
+    with pytest.raises(InvalidSamples) as info:
+        qreward_queue.submit_batch(samples, route="j", app=app)
+    assert info.value.problems == {1: "field 'extra' is nested more than 100 levels deep"}
+    # When it is submitted with on_invalid="outcome": that sample alone is an error
+    outcomes = qreward_queue.submit_batch(samples, route="j", app=app, on_invalid="outcome",
+                                          deadline_s=60).outcomes()
+    assert [o.status for o in outcomes] == ["ok", "error", "ok"], outcomes
+    assert "nested more than 100 levels deep" in outcomes[1].error
+    assert [outcomes[i].score for i in (0, 2)] == [expected(app, "j", samples[i]) for i in (0, 2)]

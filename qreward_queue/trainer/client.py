@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 import time
 import uuid
 from collections.abc import Callable, Generator, Sequence
@@ -44,6 +45,7 @@ from .routing import Chunk, plan, plan_dealt, units
 
 POLL_INTERVAL_S = 0.02
 LIVENESS_CHECK_S = 2.0
+ABANDON_WAIT_S = 5.0  # Ctrl-C while submitting: how long the publish under way may end first
 QUICK_POLL_S = 0.05  # done()/completed wait no longer for Redis; the read goes on meanwhile
 # After Redis was away or lost its data, no task is judged lost until every worker's heartbeat
 # has had time to say again what it holds (a task still running is not bought twice).
@@ -300,8 +302,8 @@ class RewardBatch:
         """Redis losing its data (a restart without persistence) takes this key with it; the
         lease is set first, so that no worker sees the sentinel without a live lease."""
         ttl_ms = lease.key_ttl_ms(self.app.qrq_config.lease_s)
-        with self.app.store.pipeline(transaction=False) as pipe:
-            pipe.set(keys.lease(self.batch_id), lease.LIVE, px=ttl_ms)
+        with self.app.store.pipeline(transaction=False) as pipe:  # nx: a cancel stays
+            pipe.set(keys.lease(self.batch_id), lease.LIVE, px=ttl_ms, nx=True)
             pipe.set(sentinel, 1, px=int(self._keep_s() * 1000))
             pipe.execute()
 
@@ -548,7 +550,16 @@ def submit_batch(
         else None
     )
     deadline = time.time() + (deadline_s if deadline_s is not None else config.deadline_s)
+    made: list[RewardBatch] = []
+    abandoned, finished = threading.Event(), threading.Event()  # Ctrl-C while submitting
+
     def queue() -> RewardBatch:
+        try:
+            return publish()
+        finally:
+            finished.set()
+
+    def publish() -> RewardBatch:
         hits = _whole_hits(cache.get_many(list(first)), first, whole) if cache else {}
         if cache:
             record_cache(app.store, the_route.name, len(first), len(hits))
@@ -559,6 +570,9 @@ def submit_batch(
             app, the_route, samples, outcomes, copies, cache, level, deadline,
             {i: key for key, i in first.items()},
         )
+        made.append(batch)
+        if abandoned.is_set():
+            return batch
         wanted = set(todo)
         batch.send(batch.vote(todo) if the_route.votes else
                    plan(config, the_route, todo, route_shares(app, the_route, len(todo)),
@@ -566,7 +580,14 @@ def submit_batch(
         return batch
 
     try:  # every Redis outage at submit is one error type, whichever part met it
-        return queue() if config.embedded else redis_wait.within(deadline - time.time(), queue)
+        try:
+            return queue() if config.embedded else redis_wait.within(deadline - time.time(), queue)
+        except KeyboardInterrupt:  # what was published makes no call (the lease says cancelled)
+            abandoned.set()
+            finished.wait(ABANDON_WAIT_S)  # the publish still going on a helper thread
+            for batch in made:
+                batch.cancel()
+            raise
     except (redis.RedisError, kombu.exceptions.OperationalError, OSError) as exc:
         raise RedisUnreachable(redis_problem(config, exc)) from None
 
