@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from click.testing import CliRunner
 from support import expected, judge_backend, start_workers, write_config
 from test_chaos import hostile
@@ -116,3 +117,48 @@ def test_a_budget_stops_calls_fails_over_and_names_itself(tmp_path, redis_url, s
     assert budget == {"limit": cap, "used": used, "left": cap - used}, budget
     table = CliRunner().invoke(cli, ["status", "--config", str(config_path)]).output
     assert f"j: budget tokens_total 3,000: {used:,} used, {cap - used:,} left" in table, table
+
+
+CAP = 6000
+
+
+@pytest.mark.parametrize(("text", "judge_settings"), [
+    ("ascii", {}),
+    ("cjk", {"token_chars": 1.0}),  # about one token a character, 4x the usual estimate
+    ("ascii", {"usage": False}),  # replies say nothing of their tokens
+], ids=["ascii", "cjk", "no-usage"])
+def test_a_token_budget_holds_on_the_tokens_the_judge_counts(
+    tmp_path, redis_url, stack, text, judge_settings
+):
+    # Given a judge counting tokens its own way, two workers with 32 calls in flight each,
+    # and a cap of 6,000 tokens in all
+    judge = stack.enter_context(spawn(MockJudgeSettings(latency_ms=30, **judge_settings)))
+    config_path = write_config(tmp_path, {
+        "j": {**judge_backend(judge.url, calls=32), "budget": {"tokens_total": CAP}},
+    }, redis_url=redis_url)
+    app = qreward_queue.configure(qreward_queue.load_config(config_path))
+    for worker in start_workers(config_path, [("j", "b1@budget"), ("j", "b2@budget")]):
+        stack.callback(worker.kill)
+    word = "答案是四十二" if text == "cjk" else "the answer is 42"
+    samples = [{"prompt": f"question {i}: " + word * 4, "response": word * 3}
+               for i in range(400)]
+    # When far more is sent than the cap allows
+    batch = qreward_queue.submit_batch(samples, route="j", app=app, deadline_s=120)
+    outcomes = batch.outcomes()
+    # Then the judge's own count ends within 1% of the cap (calls in flight when it was
+    # reached booked their upper bound), every sample has an outcome, the rest name the cap;
+    # with usage in the replies the cap is used well, without it each call counts at its
+    # bound (a token a byte) and the budget stops early rather than late
+    truth = judge.stats()
+    used = truth["prompt_tokens"] + truth["completion_tokens"]
+    least = CAP * 0.5 if judge_settings.get("usage", True) else 0
+    assert least < used <= CAP * 1.01, (used, truth)
+    refused = [o for o in outcomes if o.status != "ok"]
+    assert refused and all("budget tokens_total = 6000 of backend 'j' reached" in o.error
+                           for o in refused), refused[:2]
+    # and the spend shown never says less than the judge counted (marked estimated when
+    # the replies gave no usage)
+    (spent,) = batch.summary()["spend"].values()
+    assert spent["tokens_in"] + spent["tokens_out"] >= used, (spent, truth)
+    assert spent["estimated_calls"] == (0 if judge_settings.get("usage", True)
+                                        else spent["calls"])

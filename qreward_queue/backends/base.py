@@ -95,6 +95,11 @@ class BackendClient(ABC):
         """Tokens in and out the call will cost, before we know (chars / 4, no output)."""
         return sum(len(s["prompt"]) + len(s["response"]) for s in samples) / 4, 0.0
 
+    def input_bytes(self, samples: list[dict]) -> int:
+        """UTF-8 bytes of what the call sends to be read: a tokenizer makes at most about one
+        token of each, so a budget books an upper bound from it (`flow.spend.Ledger.bound`)."""
+        return sum(len(s["prompt"].encode()) + len(s["response"].encode()) for s in samples)
+
     def estimate_tokens(self, samples: list[dict]) -> float:
         """What the limiter books for the call before it is made."""
         return sum(self.estimate_usage(samples))

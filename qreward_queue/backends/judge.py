@@ -34,6 +34,8 @@ MODES = ("sample", "group")
 _GROUP_KEYS = ("group_template", "group_max", "group_pattern")
 
 
+MESSAGE_OVERHEAD_BYTES = 16  # a chat message's role and template tokens, as bytes
+
 class JudgeBackend(HttpBackend):
     """Fills the prompt template from the sample and parses the score out of the reply.
 
@@ -140,6 +142,15 @@ class JudgeBackend(HttpBackend):
         calls = [[samples[i] for i in call] for call in self.split(samples)]
         chars = sum(len(m["content"]) for call in calls for m in self.call_messages(call))
         return chars / 4, float(self.config.max_tokens * len(samples))
+
+    def input_bytes(self, samples: list[dict]) -> int:
+        """The calls' messages, each with MESSAGE_OVERHEAD_BYTES for its role and markup."""
+        if samples and passthrough.chat_request(samples[0]) is not None:  # a gateway's batch
+            return sum(len(json.dumps(body.get("messages"), ensure_ascii=False).encode())
+                       for body in filter(None, map(passthrough.chat_request, samples)))
+        calls = [[samples[i] for i in call] for call in self.split(samples)]
+        return sum(len(m["content"].encode()) + MESSAGE_OVERHEAD_BYTES
+                   for call in calls for m in self.call_messages(call))
 
     def request(self, samples: list[dict]) -> dict:
         if (chat := passthrough.call_request(samples)) is not None:

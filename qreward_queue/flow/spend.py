@@ -1,12 +1,13 @@
 """Spend: the tokens (and, with a `[price]`, the cost) of every backend call, summed per backend
 in Redis for `summary()`, `qrq status` and the exporter, and capped by an optional `[budget]`.
 
-After each call its usage (the reply's `usage`, or the estimate when it gave none, counted in
-`estimated`) is added to the backend's running total, the current UTC hour and the batch's
+After each call its usage (the reply's `usage`, or its upper bound when it gave none, counted
+in `estimated`) is added to the backend's running total, the current UTC hour and the batch's
 own tally (`keys.spend`, `keys.batch_spend`); a process writes what it added every
-FLUSH_EVERY_S in one round trip. With a budget, each call first books its estimate in one
-atomic Lua step that refuses it (BudgetExceeded) when the booking would pass a cap: the call is
-never made. The booking is held in the hour's hash until the call's real usage replaces it.
+FLUSH_EVERY_S in one round trip. With a budget, each call first books an upper bound of its
+cost (`Ledger.bound`) in one atomic Lua step that refuses it (BudgetExceeded) when the booking
+would pass a cap: the call is never made. The booking is held in the hour's hash until the
+call's real usage replaces it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ FLUSH_EVERY_S = 0.1
 HOUR_KEEP_S = 2 * 3600
 BATCH_KEEP_S = 6 * 3600
 CAPS = ("tokens_per_hour", "tokens_total", "cost_per_hour", "cost_total")
+BOUND_MARGIN = 1.25  # over the most tokens per byte seen: a call's bound stays an upper bound
 
 # KEYS: total, hour. ARGV: tokens, cost_micro, the four caps of CAPS ('' = none; cost ones in
 # micro units), the hour's TTL. Returns {} (booked) or {cap, used} (refused).
@@ -88,10 +90,19 @@ class Booking:
 
 
 class Ledger:
-    """One backend's spend as this process's calls add to it (thread-safe)."""
+    """One backend's spend as this process's calls add to it (thread-safe).
+
+    A call under a budget books an upper bound of what it can cost (`bound`): its input bytes
+    times the tokens per byte this backend's replies have shown (at most one token a byte
+    until a reply with `usage` says, then the most seen with a margin), plus every output
+    token it may write. So a cap is passed by no more than the calls in flight when it is
+    reached could still add beyond their bound, whatever the script of the text or whether
+    replies carry `usage` (a reply without it is counted at its bound, marked estimated).
+    """
 
     def __init__(self, store: redis.Redis, backend: Backend):
         self.store, self.backend = store, backend
+        self._tokens_per_byte = 0.0  # the most this backend's replies have shown
         self._book = store.register_script(_BOOK) if backend.budget else None
         self._lock = threading.Lock()
         self._tally: dict[tuple[int, str | None], list[int]] = {}  # (hour, batch) -> FIELDS
@@ -102,6 +113,16 @@ class Ledger:
     def has_budget(self) -> bool:
         """Whether calls book their estimate first (`book`): only under a `[budget]`."""
         return self._book is not None
+
+    def bound(self, input_bytes: int, tokens_out: float) -> Usage:
+        """The most a call of `input_bytes` that may write `tokens_out` tokens can cost."""
+        ratio = min(1.0, self._tokens_per_byte * BOUND_MARGIN) if self._tokens_per_byte else 1.0
+        return Usage.estimate(input_bytes * ratio, tokens_out)
+
+    def observe(self, input_bytes: int, tokens_in: int) -> None:
+        """A reply's `usage`: what its input cost per byte."""
+        if input_bytes > 0 and tokens_in > 0:
+            self._tokens_per_byte = max(self._tokens_per_byte, tokens_in / input_bytes)
 
     def book(self, estimate: Usage) -> Booking | None:
         """Book a call's estimate against the budget; BudgetExceeded (naming the cap) when it

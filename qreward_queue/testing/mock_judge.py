@@ -152,6 +152,8 @@ class MockJudgeSettings:
     hang_rate: float = 0.0
     hang_s: float = 30.0
     degrade_above: int = 0  # latency doubles while more requests than this are in flight
+    token_chars: float = 4.0  # characters per token as its tokenizer counts (CJK text: ~1)
+    usage: bool = True  # chat replies carry `usage`
     seed: int = 0
     group_reply: str = "list"  # how a group's scores are written: list | object | tagged
     group_fault_rate: float = 0.0  # fraction of group requests answered with a group fault
@@ -490,8 +492,9 @@ def _parse_chat(body: bytes, settings: MockJudgeSettings) -> _Call:
         content = (json.dumps({"score": round(score, 2)}) if structured
                    else f"The response reads:\n{quoted}\nScore: {score:.2f}" if settings.fooled
                    else f"The response was assessed. Score: {score:.2f}")
-    prompt_tokens = _tokens(sum(len(message["content"]) for message in messages))
-    completion_tokens = _tokens(len(content))
+    prompt_chars = sum(len(message["content"]) for message in messages)
+    prompt_tokens = math.ceil(prompt_chars / settings.token_chars)
+    completion_tokens = math.ceil(len(content) / settings.token_chars)
 
     def reply() -> Json:
         return {
@@ -506,11 +509,11 @@ def _parse_chat(body: bytes, settings: MockJudgeSettings) -> _Call:
                     "finish_reason": "stop",
                 }
             ],
-            "usage": {
+            **({"usage": {
                 "prompt_tokens": prompt_tokens,
                 "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens,
-            },
+            }} if settings.usage else {}),
         }
 
     cost = prompt_tokens + (max_tokens or completion_tokens)
@@ -915,6 +918,10 @@ _DEFAULTS = MockJudgeSettings()
               help="Fraction of admitted requests that hang.")
 @click.option("--hang-s", type=float, default=_DEFAULTS.hang_s, show_default=True,
               help="Seconds a hang lasts.")
+@click.option("--token-chars", type=float, default=_DEFAULTS.token_chars, show_default=True,
+              help="Characters per token as its tokenizer counts (CJK text: about 1).")
+@click.option("--usage/--no-usage", default=_DEFAULTS.usage, show_default=True,
+              help="Chat replies carry `usage`.")
 @click.option("--degrade-above", default=_DEFAULTS.degrade_above,
               help="Latency doubles above this many requests in flight, 0 = never.")
 @click.option("--seed", default=_DEFAULTS.seed, show_default=True, help="Seed of the fault RNG.")

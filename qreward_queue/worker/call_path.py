@@ -155,7 +155,7 @@ class CallPath:
         if self.ledger is None or not self.ledger.has_budget:  # no estimate to book
             return None
         try:
-            return self.ledger.book(Usage.estimate(*self.client.estimate_usage(batch)))
+            return self.ledger.book(self._bound(batch))
         except BudgetExceeded:
             self.over_budget = True
             raise
@@ -207,8 +207,15 @@ class CallPath:
             return
         if call is not None and call.usage is not None:
             usage = Usage(*call.usage)
+            self.ledger.observe(self.client.input_bytes(batch), usage.tokens_in)
         elif replied and not self.client.runs_locally:  # a local call spends no tokens
-            usage = Usage.estimate(*self.client.estimate_usage(batch))
+            usage = self._bound(batch)
         else:
             usage = Usage(0, 0)
         self.ledger.spent(usage, booking, self.batch_id)
+
+    def _bound(self, batch: list[dict]) -> Usage:
+        """The most the call can cost (`Ledger.bound`): booked, and counted when no usage came."""
+        assert self.ledger is not None
+        return self.ledger.bound(self.client.input_bytes(batch),
+                                 self.client.estimate_usage(batch)[1])
