@@ -103,6 +103,29 @@ def test_2_integers_exactly_floats_within_the_tolerance_and_comparing_never_rais
         assert 0.0 <= scored <= 0.5 and scored.detail, program
 
 
+def test_2_hostile_output_is_a_wrong_answer_not_a_hang_nor_an_out_of_memory_helper():
+    # Given outputs that made the comparator backtrack and the helper's JSON balloon
+    backtrack = score('print("1" * 60000 + "x")', stdin_cases(("", "0.5")))
+    assert backtrack == 0.0 and "wrong output" in backtrack.detail
+    flood = "import os, sys\nb = b'\\xff' * (1 << 20)\nsys.stdout.buffer.write(b)\n"
+    flood += "sys.stdout.flush()\nos.write(3, b)"
+    caller = dedent(f"""
+        import resource
+        from qreward_queue.rewards import sandbox
+        from qreward_queue.rewards.code import code_reward
+        sandbox.pick_mechanism = lambda unsafe=False: {sandbox.pick_mechanism()!r}
+        cap = 768 * 2**20  # far below the 48 x 12.6 MB of JSON escapes this made before
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+        tests = [{{"input": "", "output": "1"}}] * 48
+        sample = {{"prompt": "", "response": {flood!r}, "extra": {{"tests": tests}}}}
+        scored = code_reward(sample, time_s=120)
+        print("scored", scored, scored.detail[:60])
+    """)
+    # Then the sample is scored 0 (each case a wrong answer), in a helper of bounded memory
+    done = subprocess.run([sys.executable, "-c", caller], capture_output=True, text=True)
+    assert done.returncode == 0 and "scored 0.0 0/48 cases passed" in done.stdout, done
+
+
 # 3. A failing program cannot make itself unscored.
 def test_3_hangs_crashes_and_attacks_on_the_harness_are_failed_cases(mechanism):
     # Given a program that answers even inputs right and attacks the harness on odd ones

@@ -4,7 +4,8 @@ Protocol on stdin: frames of 10 ASCII digits (the length) and a JSON document: f
 spec (code, limits, how to set up), then one case at a time ({"input"} or {"fn_name",
 "args"}), read only when that case starts: no later case's input is ever in memory a program
 could read. On stdout, one JSON line each: {"ready": ...} once set up (or {"fatal": why}),
-{"start": k} as case k starts, then the case's outcome.
+{"start": k} as case k starts, then the case's outcome followed by its raw output (stdout,
+or the JSON a call returned), `"bytes"` long.
 
 The harness keeps its privileges (root, or root of its own user namespace) and never touches
 a path after set-up. Each case gets a PID namespace of its own whose pid 1 (the case's init)
@@ -206,7 +207,7 @@ def run_case(spec, case, index):
     for _, w in pipes:
         os.close(w)
     os.close(stdin)
-    outcome = collect(pid, [r for r, _ in pipes[:3]], pipes[3][0], spec)
+    outcome = collect(pid, [r for r, _ in pipes[:3]], pipes[3][0], spec, "fn_name" in case)
     for r, _ in pipes:
         os.close(r)
     return outcome
@@ -257,6 +258,7 @@ def run_program(spec, case):
             exec(compile(spec["code"], "<solution>", "exec"), namespace)
             if "fn_name" in case:
                 os.write(3, dumps(call(namespace, case)).encode())
+            join_threads()
             code = 0
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -267,6 +269,16 @@ def run_program(spec, case):
         sys.stderr.flush()
     finally:
         os._exit(code)
+
+
+def join_threads():
+    """Wait for the program's threads as an interpreter's exit does (the deep-recursion idiom
+    does its work in a thread the main thread never joins)."""
+    threading = sys.modules.get("threading")
+    if threading is not None:
+        for thread in threading.enumerate():
+            if not thread.daemon and thread is not threading.current_thread():
+                thread.join()
 
 
 def limit(spec):
@@ -312,13 +324,16 @@ def call(namespace, case):
     return target(*case.get("args", []))
 
 
-def collect(pid, fds, ended, spec):
-    """Read stdout/result (capped) and stderr (its tail) until the case ends or runs out of
-    time; then kill its namespace (killing its pid 1 kills everything in it)."""
+def collect(pid, fds, ended, spec, call):
+    """Read what the case printed (stdout) or returned (fd 3), capped, and stderr's tail,
+    until the case ends or runs out of time; then kill its namespace (killing its pid 1 kills
+    everything in it). Only the stream the case is judged on is kept, as bytes."""
     case_s, cap = spec["limits"]["case_s"], spec["limits"]["output_bytes"]
+    kept = fds[1] if call else fds[0]
     started = time.monotonic()
     done = os.pidfd_open(pid)
     data = {fd: b"" for fd in fds}
+    sizes = dict.fromkeys(fds, 0)
     status = None
     open_fds = [*fds, done]
     while open_fds:
@@ -335,10 +350,12 @@ def collect(pid, fds, ended, spec):
             if not chunk:
                 open_fds.remove(fd)
                 continue
-            data[fd] += chunk
-            if fd == fds[2]:
-                data[fd] = data[fd][-2000:]
-        if len(data[fds[0]]) > cap or len(data[fds[1]]) > cap:
+            sizes[fd] += len(chunk)
+            if fd == kept:
+                data[fd] += chunk
+            elif fd == fds[2]:
+                data[fd] = (data[fd] + chunk)[-2000:]
+        if sizes[fds[0]] > cap or sizes[fds[1]] > cap:
             status = "output_limit"
             break
     with contextlib.suppress(ProcessLookupError):
@@ -350,14 +367,11 @@ def collect(pid, fds, ended, spec):
         raise SandboxFault(f"a test case could not be set up: {told[1:].decode()}")
     code = os.waitstatus_to_exitcode(int(told) if told else wait_status)
     out = {"status": status, "exit": code, "s": round(time.monotonic() - started, 3)}
-    out["stdout"] = data[fds[0]][:cap].decode("utf-8", "replace")
-    if data[fds[1]]:
-        out["result"] = data[fds[1]][:cap].decode("utf-8", "replace")
     if status is None:
         out["status"] = "ok" if code == 0 else "error"
         if code != 0:
             out["error"] = describe(code, data[fds[2]])
-    return out
+    return out, data[kept][:cap]
 
 
 def describe(code, stderr):
@@ -369,8 +383,14 @@ def describe(code, stderr):
     return f"{head}: {tail}" if tail else head
 
 
-def emit(message):
-    os.write(1, (json.dumps(message) + "\n").encode())
+def emit(message, output=b""):
+    """One JSON line; a case's outcome is followed by its raw output (`"bytes"` long): no
+    text encoding inflates what a program printed."""
+    if "status" in message:
+        message["bytes"] = len(output)
+    data = (json.dumps(message) + "\n").encode() + output
+    while data:
+        data = data[os.write(1, data):]
 
 
 def main():
@@ -394,13 +414,13 @@ def main():
         try:
             if index:
                 fresh_directories(spec)
-            outcome = run_case(spec, case, index)
+            outcome, output = run_case(spec, case, index)
         except (OSError, SandboxFault) as exc:
             emit({"fatal": str(exc)})
             return
         if outcome["status"] == "timeout":  # it would hang again: skip the remaining cases
             skip = "not run: an earlier case ran over its time limit"
-        emit(outcome)
+        emit(outcome, output)
 
 
 if __name__ == "__main__":

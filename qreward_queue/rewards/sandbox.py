@@ -33,6 +33,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from functools import cache, lru_cache
 from pathlib import Path
@@ -289,16 +290,31 @@ def _one_sandbox(code: str, cases: list[dict], limits: Limits, mechanism: str) -
             cgroups.release(group, enter)
         if setup["work"] is None:
             shutil.rmtree(work, ignore_errors=True)
-    return _outcomes(out, err, proc.returncode, len(cases), mechanism)
+    calls = ["fn_name" in case for case in cases]
+    return _outcomes(out, err, proc.returncode, calls, mechanism)
 
 
-def _outcomes(out: bytes, err: bytes, code: int, n: int, mechanism: str) -> list[dict]:
-    ready, running, outcomes = False, None, []
-    for line in out.decode("utf-8", "replace").splitlines():
+def _messages(out: bytes, mechanism: str) -> Iterator[tuple[dict, bytes]]:
+    """The harness's JSON lines, each with the raw output that follows an outcome."""
+    at = 0
+    while at < len(out):
+        end = out.find(b"\n", at)
+        end = len(out) if end < 0 else end
+        line, at = out[at:end], end + 1
         try:
             message = json.loads(line)
         except ValueError:
             raise SandboxError(f"the sandbox ({mechanism}) wrote {line[:100]!r}") from None
+        size = message.pop("bytes", 0) if isinstance(message, dict) else 0
+        yield message, out[at : at + size]
+        at += size
+
+
+def _outcomes(out: bytes, err: bytes, code: int, calls: list[bool], mechanism: str) -> list[dict]:
+    """One outcome per case the harness got through; `calls` says which cases are calls."""
+    ready, running, n = False, None, len(calls)
+    outcomes: list[dict] = []
+    for message, output in _messages(out, mechanism):
         if "fatal" in message:
             raise SandboxError(f"the sandbox ({mechanism}) could not start: {message['fatal']}")
         if "ready" in message:
@@ -306,6 +322,10 @@ def _outcomes(out: bytes, err: bytes, code: int, n: int, mechanism: str) -> list
         elif "start" in message:
             running = message["start"]
         else:
+            text = output.decode("utf-8", "replace")
+            message["stdout"] = "" if calls[len(outcomes)] else text
+            if calls[len(outcomes)] and text:
+                message["result"] = text
             outcomes.append(message)
             running = None
     if len(outcomes) == n:
