@@ -363,3 +363,54 @@ def test_6_the_sandbox_sees_only_system_directories_read_only_and_reaches_nothin
     listing = f"import os\nprint([os.listdir(p) for p in {hidden!r}])"
     run = sandbox.run_cases(listing, [{"input": ""}])
     assert run.cases[0]["stdout"].strip() == str([[] for _ in hidden])
+    # whatever site or dist directory the interpreter has (Debian's dist-packages included)
+    roots = [sys.base_prefix, "/usr", "/usr/local"]
+    shown = (
+        "import glob, os\n"
+        f"paths = [p for r in {roots!r} for p in glob.glob(r + '/lib*/python*/*-packages')]\n"
+        "print(len(paths), [p for p in paths if os.listdir(p)])"
+    )
+    out = sandbox.run_cases(shown, [{"input": ""}]).cases[0]["stdout"].split(" ", 1)
+    assert int(out[0]) >= 1 and out[1].strip() == "[]", out
+
+
+# 7. No socket, memory or session outside what the run is bounded by.
+REACH = dedent("""
+    import ctypes, os, socket
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    got = []
+    for name, family in (("vsock", 40), ("inet", 2), ("inet6", 10), ("netlink", 16),
+                         ("packet", 17), ("alg", 38), ("bluetooth", 31)):
+        try:
+            socket.socket(family, socket.SOCK_STREAM if family != 16 else socket.SOCK_RAW).close()
+            got.append(name)
+        except OSError:
+            pass
+    if libc.syscall(41, (1 << 32) | 40, 1, 0) >= 0:  # vsock with the upper bits set
+        got.append("vsock-high-bits")
+    if libc.syscall(29, 0, 1 << 20, 0o1600) >= 0:  # shmget(IPC_PRIVATE, 1 MB)
+        got.append("sysv-shm")
+    if libc.syscall(319, b"x", 0) >= 0:  # memfd_create
+        got.append("memfd")
+    for call in (os.setsid, lambda: os.setpgid(0, 0)):
+        try:
+            call()
+            got.append(call.__name__)
+        except OSError:
+            pass
+    a, b = socket.socketpair()
+    print(got, "unix-ok" if a.send(b"x") == 1 and b.recv(1) == b"x" else "unix-broken")
+""")
+
+
+def test_7_only_unix_sockets_no_sysv_or_memfd_memory_no_new_session(mechanism):
+    # Given a program reaching for every socket family, memory outside its address space
+    # and a session of its own (one more CPU share under the kernel's autogroup)
+    run = sandbox.run_cases(REACH, [{"input": ""}])
+    # Then only AF_UNIX sockets work; the rest is refused
+    assert run.cases[0]["stdout"].strip() == "[] unix-ok", run.cases[0]
+    # And a backend that asks for loopback networking gets TCP on the run's own 127.0.0.1
+    tcp = "import socket\ns = socket.socket()\ns.bind(('127.0.0.1', 0))\nprint('bound')"
+    assert score(tcp, stdin_cases(("", "bound"))) == 0.0
+    assert score(tcp, stdin_cases(("", "bound")), loopback=True) == 1.0

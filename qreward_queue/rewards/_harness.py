@@ -28,7 +28,7 @@ import sys
 import time
 import traceback
 
-CLONE_NEWPID, SYS_CLONE = 0x20000000, 56  # x86_64
+CLONE_NEWPID, CLONE_NEWIPC, SYS_CLONE = 0x20000000, 0x08000000, 56  # x86_64
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP = 1, 4, 24
 PR_SET_SECUREBITS, PR_SET_NO_NEW_PRIVS, PR_SET_CHILD_SUBREAPER, PR_CAP_AMBIENT = 27, 38, 36, 47
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 32, 4096, 16384
@@ -45,7 +45,10 @@ DENIED = (  # a program needs none of these; each would let it step around the l
     "add_key", "request_key", "bpf", "userfaultfd", "perf_event_open", "open_by_handle_at",
     "io_uring_setup", "fsopen", "fsmount", "fsconfig", "open_tree", "move_mount",
     "mount_setattr",
+    "setsid", "setpgid",  # a session or group of its own: one more CPU share (autogroup)
+    "shmget", "memfd_create",  # memory outside the address space and the tmpfs sizes
 )
+AF_UNIX, AF_INET, AF_INET6, CLONE_THREAD = 1, 2, 10, 0x10000
 SCMP_ACT_ALLOW, SCMP_ACT_ERRNO, SCMP_CMP_MASKED_EQ = 0x7FFF0000, 0x00050000, 7
 
 
@@ -54,10 +57,13 @@ class ArgCmp(ctypes.Structure):
                 ("b", ctypes.c_uint64)]
 
 
-def syscall_filter():
-    """A seccomp filter (libseccomp) refusing new namespaces (a user namespace would let a
-    program mount a tmpfs of its own), mounts, ptrace, keyrings and bpf; None without
-    libseccomp."""
+def equal_int(arg, value):
+    """An int argument equals `value` (its upper 32 bits, which the kernel ignores, masked)."""
+    return ArgCmp(arg, SCMP_CMP_MASKED_EQ, 0xFFFFFFFF, value)
+
+
+def seccomp():
+    """libseccomp, or None when it is not installed."""
     try:
         lib = ctypes.CDLL("libseccomp.so.2")
     except OSError:
@@ -67,22 +73,43 @@ def syscall_filter():
         ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint, ctypes.POINTER(ArgCmp)
     ]
     lib.seccomp_load.argtypes = [ctypes.c_void_p]
-    ctx = lib.seccomp_init(SCMP_ACT_ALLOW)
+    return lib
 
-    def refuse(name, err, *compare):
+
+def seccomp_filter(lib, rules):
+    """A filter allowing everything but `rules`: (syscall, errno, argument comparisons...)."""
+    ctx = lib.seccomp_init(SCMP_ACT_ALLOW)
+    for name, err, *compare in rules:
         number = lib.seccomp_syscall_resolve_name(name.encode())
         if number >= 0:
             array = (ArgCmp * max(1, len(compare)))(*compare)
             action = SCMP_ACT_ERRNO | err
             rule = lib.seccomp_rule_add_array(ctx, action, number, len(compare), array)
             check(rule, f"seccomp rule for {name}")
-
-    for name in DENIED:
-        refuse(name, errno.EPERM)
-    refuse("clone3", errno.ENOSYS)  # the C library falls back to clone, whose flags we see
-    for flag in NEW_NAMESPACES:
-        refuse("clone", errno.EPERM, ArgCmp(0, SCMP_CMP_MASKED_EQ, flag, flag))
     return lib, ctx
+
+
+def syscall_filter(lib, loopback):
+    """Refuses new namespaces (a user namespace would let a program mount a tmpfs of its
+    own), mounts, ptrace, keyrings, bpf, new sessions, SysV and memfd memory, and every
+    socket family but AF_UNIX (and AF_INET/AF_INET6 on the run's own loopback when asked
+    for): vsock and the other families no network namespace separates are refused."""
+    rules = [(name, errno.EPERM) for name in DENIED]
+    rules.append(("clone3", errno.ENOSYS))  # the C library falls back to clone: flags seen
+    rules += [("clone", errno.EPERM, ArgCmp(0, SCMP_CMP_MASKED_EQ, f, f)) for f in NEW_NAMESPACES]
+    allowed = {AF_UNIX, AF_INET, AF_INET6} if loopback else {AF_UNIX}
+    for family in sorted(set(range(64)) - allowed):  # AF_MAX is 46
+        for call in ("socket", "socketpair"):
+            rules.append((call, errno.EAFNOSUPPORT, equal_int(0, family)))
+    return seccomp_filter(lib, rules)
+
+
+def process_filter(lib):
+    """Threads but no new processes (where no cgroup bounds a run, each process would get
+    an address space of its own)."""
+    no_thread = ArgCmp(0, SCMP_CMP_MASKED_EQ, CLONE_THREAD, 0)
+    rules = [("fork", errno.EAGAIN), ("vfork", errno.EAGAIN), ("clone", errno.EAGAIN, no_thread)]
+    return seccomp_filter(lib, rules)
 
 
 class SandboxFault(Exception):
@@ -117,7 +144,11 @@ def prepare(spec):
         build_root(spec["root"])
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # a case's first process comes back to us
     libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
-    spec["filter"] = syscall_filter()
+    lib = seccomp()
+    spec["filter"] = lib and syscall_filter(lib, spec["limits"]["loopback"])
+    spec["no_fork"] = lib and spec["threads"] and process_filter(lib)
+    if spec["no_fork"]:  # threads count against RLIMIT_NPROC too
+        spec["nproc"] += spec["threads"]
     fresh_directories(spec, first=True)
 
 
@@ -197,8 +228,9 @@ def run_case(spec, case, index):
     os.write(stdin, case.get("input", "").encode())
     os.lseek(stdin, 0, os.SEEK_SET)
     pipes = [os.pipe() for _ in range(4)]  # stdout, result, stderr, how the program ended
-    # a bare clone (this process has one thread): the child is pid 1 of a new namespace
-    flags = signal.SIGCHLD | (CLONE_NEWPID if spec["pidns"] else 0)
+    # a bare clone (this process has one thread): the child is pid 1 of a new PID namespace,
+    # in an IPC namespace of its own (message queues and semaphores die with the case)
+    flags = signal.SIGCHLD | (CLONE_NEWPID | CLONE_NEWIPC if spec["pidns"] else 0)
     pid = libc.syscall(SYS_CLONE, flags, None, None, None, None)
     if pid == 0:
         child(spec, case, stdin, pipes)
@@ -254,6 +286,9 @@ def run_program(spec, case):
         sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
         dumps = json.dumps  # taken before the program can replace it
         namespace = {"__name__": "__main__" if "fn_name" not in case else "solution"}
+        if spec["no_fork"]:
+            lib, ctx = spec["no_fork"]
+            check(lib.seccomp_load(ctx), "seccomp")
         try:
             exec(compile(spec["code"], "<solution>", "exec"), namespace)
             if "fn_name" in case:

@@ -160,11 +160,12 @@ def code_reward(
     memory_mb: int = 512,
     unsafe: bool = False,
     float_tol: float = FLOAT_TOL,
+    loopback: bool = False,
 ) -> Scored:
     """Fraction of the sample's test cases the response's program passes, in a sandbox; the
     failed cases and why in `.detail`. A program that hangs, crashes or overruns a limit
     fails those cases; only the sandbox's own failure raises (SandboxError: `error`)."""
-    limits = Limits(time_s=time_s, case_s=case_s, memory_mb=memory_mb)
+    limits = Limits(time_s=time_s, case_s=case_s, memory_mb=memory_mb, loopback=loopback)
     score, _, why = run_tests(sample, limits, unsafe, float_tol)
     failed = [f"case {k}: {w}" for k, w in enumerate(why) if w is not None]
     detail = f"{len(why) - len(failed)}/{len(why)} cases passed"

@@ -22,12 +22,14 @@ threads, so RLIMIT_AS plus the tmpfs sizes bound the total.
 from __future__ import annotations
 
 import contextlib
+import glob
 import itertools
 import json
 import marshal
 import os
 import shutil
 import signal
+import site
 import subprocess
 import sys
 import sysconfig
@@ -72,6 +74,7 @@ class Limits:
     disk_mb: int = 64  # the private /tmp (the run's only writable directory)
     open_files: int = 64
     output_bytes: int = 1 << 20  # stdout kept per case; more ends the case
+    loopback: bool = False  # TCP/UDP on the run's own 127.0.0.1 (else AF_UNIX sockets only)
 
 
 @dataclass
@@ -99,13 +102,24 @@ def _system_paths() -> list[str]:
 
 
 def _hidden_paths() -> list[str]:
-    """Installed packages next to the standard library: not the program's to read (a data
-    set or a test suite may ship in one), and `-I -S` keeps them off its path anyway."""
-    base = {"base": sys.base_prefix, "platbase": sys.base_prefix}
-    found = {sysconfig.get_path(kind, vars=base) for kind in ("purelib", "platlib")}
-    local = sysconfig.get_path("purelib", vars={"base": "/usr/local"})
-    found |= {"/usr/lib/python3/dist-packages", local}
-    return sorted(p for p in found if os.path.isdir(p) and not os.path.islink(p))
+    """Every site or dist directory of the interpreter (`*-packages` under a `lib*/python*`
+    of its prefix, /usr or /usr/local, and whatever sysconfig and site name): installed
+    packages are not the program's to read (a data set or a test suite may ship in one),
+    and `-I -S` keeps them off its path anyway."""
+    roots = {os.path.realpath(sys.base_prefix), "/usr", "/usr/local"}
+    found = {p for root in roots for p in glob.glob(f"{root}/lib*/python*/*-packages")}
+    for scheme in sysconfig.get_scheme_names():
+        for root in roots:
+            for kind in ("purelib", "platlib"):
+                with contextlib.suppress(KeyError, ValueError):
+                    vars_ = {"base": root, "platbase": root, "userbase": root}
+                    found.add(sysconfig.get_path(kind, scheme, vars=vars_))
+    found.update(site.getsitepackages([sys.base_prefix, *roots]))
+    shown = _system_paths()
+    return sorted(
+        p for p in map(os.path.realpath, found)
+        if os.path.isdir(p) and any(p == s or p.startswith(s + "/") for s in shown)
+    )
 
 
 def _bwrap_binds() -> list[str]:
@@ -136,6 +150,8 @@ def command(mechanism: str, limits: Limits, group: bool) -> tuple[list[str], dic
         # the case's init counts; in a user namespace also the harness and bwrap's or
         # unshare's own process
         "nproc": processes + 1 + (2 if userns else 0),
+        # without a group: threads, no processes (a seccomp filter refuses fork)
+        "threads": 0 if group else limits.processes,
         "pidns": mechanism != "unsafe" or root,
         "drop": "uid" if root else "caps" if userns else None,
         "tmpfs": {} if mechanism == "unsafe" else {"/tmp": limits.disk_mb, "/dev/shm": SHM_MB},
@@ -166,7 +182,7 @@ def command(mechanism: str, limits: Limits, group: bool) -> tuple[list[str], dic
         setup["root"] = {"at": "/tmp", "binds": _system_paths(), "hide": _hidden_paths()}
         return argv + python, setup
     if mechanism == "unsafe":
-        return python, {**setup, "work": None, "nproc": limits.processes + 1}
+        return python, {**setup, "work": None, "nproc": limits.processes + 1, "threads": 0}
     raise ValueError(f"unknown sandbox mechanism {mechanism!r}")
 
 
@@ -213,7 +229,7 @@ def describe(unsafe: bool = False) -> str:
     layout = cgroups.available()
     how = cgroups.describe(layout)
     if isinstance(layout, str):
-        how += "; a test case may not start processes or threads"
+        how += "; a test case may start threads but not processes"
     return f"code sandbox: {mechanism}, memory and processes bounded by {how}"
 
 
