@@ -27,7 +27,7 @@ import re
 from typing import Any
 
 from . import Scored
-from .sandbox import Limits, Run, run_cases
+from .sandbox import GRACE_S, Limits, Run, run_cases
 from .testcases import load_tests
 
 _FENCE = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
@@ -44,6 +44,7 @@ _INT = re.compile(r"[+-]?[0-9]+")
 _FLOAT = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 MAX_DECIMAL = 100  # characters; a longer token is compared as text
 FLOAT_TOL = 1e-6
+START_S = 1.0  # the sandbox's start and the comparison, beyond its own time bound
 MAX_DEPTH = 100  # nesting of a call's expected value compared; deeper is a failed case
 
 
@@ -170,3 +171,15 @@ def code_reward(
     failed = [f"case {k}: {w}" for k, w in enumerate(why) if w is not None]
     detail = f"{len(why) - len(failed)}/{len(why)} cases passed"
     return Scored(score, "; ".join([detail, *failed])[:1000])
+
+
+def time_needed_s(time_s: float = 10.0, case_s: float = 2.0, **_: Any) -> tuple[float, str]:
+    """The longest one sample can take with these options, and why: a function backend's
+    `timeout_s` below it would kill samples the sandbox is still scoring (checked when the
+    backend file loads)."""
+    bound = float(time_s) + float(case_s) + GRACE_S + START_S
+    why = f"code_reward's time_s {time_s:g} + case_s {case_s:g} + the sandbox's {GRACE_S:g} s"
+    return bound, f"{why} grace + {START_S:g} s to start it"
+
+
+code_reward.time_needed_s = time_needed_s  # type: ignore[attr-defined]
