@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 from textwrap import dedent
 
 import psutil
@@ -414,3 +415,21 @@ def test_7_only_unix_sockets_no_sysv_or_memfd_memory_no_new_session(mechanism):
     tcp = "import socket\ns = socket.socket()\ns.bind(('127.0.0.1', 0))\nprint('bound')"
     assert score(tcp, stdin_cases(("", "bound"))) == 0.0
     assert score(tcp, stdin_cases(("", "bound")), loopback=True) == 1.0
+
+
+# 8. A sample's CPU use cannot cost a neighbour its score.
+def test_8_innocent_samples_keep_their_scores_beside_a_neighbour_spinning_in_new_sessions(
+    mechanism, monkeypatch
+):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import sandbox_neighbours
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(sys.path))  # the neighbour's mechanism:
+    monkeypatch.setattr(sandbox_neighbours, "HOSTILE", sandbox_neighbours.HOSTILE.replace(
+        "import sys\n", f"import sys\nfrom qreward_queue.rewards import sandbox\n"
+        f"sandbox.pick_mechanism = lambda unsafe=False: {mechanism!r}\n", 1))
+    # Given another process scoring a correct program whose 40 children each try setsid()
+    # and spin in every case, when 8 innocent samples (case_s=1) are scored beside it
+    run = sandbox_neighbours.with_neighbour("setsid_spinners")
+    # Then every innocent sample passes all its cases
+    assert run["innocent_passed"] == "8/8", run

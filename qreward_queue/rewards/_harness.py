@@ -267,6 +267,10 @@ def child(spec, case, stdin, pipes):
             run_program(spec, case)
         for fd in range(4):
             os.close(fd)
+        if spec["no_fork"] and not within_cpu(program, spec["limits"]["case_s"]):
+            os.write(4, b"T")  # the harness reports the timeout; exiting kills the program
+            code = 0
+            return
         while True:
             pid, status = os.waitpid(-1, 0)
             if pid == program:
@@ -275,6 +279,21 @@ def child(spec, case, stdin, pipes):
         code = 0
     finally:
         os._exit(code)
+
+
+def within_cpu(pid, seconds):
+    """Wait for the program to end; False once its CPU time (all its threads: it may start
+    no process) passes `seconds`. Time other programs take from it does not count."""
+    clock = ctypes.c_int()
+    if libc.clock_getcpuclockid(pid, ctypes.byref(clock)) != 0:
+        raise OSError("no CPU clock for the program")
+    done = os.pidfd_open(pid)
+    while True:
+        left = seconds - time.clock_gettime(clock.value)
+        if left <= 0:
+            return False
+        if select.select([done], [], [], left)[0]:
+            return True
 
 
 def run_program(spec, case):
@@ -364,15 +383,19 @@ def collect(pid, fds, ended, spec, call):
     until the case ends or runs out of time; then kill its namespace (killing its pid 1 kills
     everything in it). Only the stream the case is judged on is kept, as bytes."""
     case_s, cap = spec["limits"]["case_s"], spec["limits"]["output_bytes"]
+    measured = spec.get("cpu") is not None or spec["no_fork"]  # else its wall clock counts
+    wall_s = spec["case_wall_s"] if measured else case_s
     kept = fds[1] if call else fds[0]
-    started = time.monotonic()
+    started, used = time.monotonic(), cpu_seconds(spec)
     done = os.pidfd_open(pid)
     data = {fd: b"" for fd in fds}
     sizes = dict.fromkeys(fds, 0)
     status = None
     open_fds = [*fds, done]
     while open_fds:
-        left = started + case_s - time.monotonic()
+        left = started + wall_s - time.monotonic()
+        if used is not None:  # its CPU time counts (at most one core: it cannot run faster)
+            left = min(left, case_s - (cpu_seconds(spec) - used))
         if left <= 0:
             status = "timeout"
             break
@@ -400,6 +423,8 @@ def collect(pid, fds, ended, spec, call):
     told = os.read(ended, 300)  # how the program ended, if its init saw it end
     if told.startswith(b"E"):
         raise SandboxFault(f"a test case could not be set up: {told[1:].decode()}")
+    if told == b"T":  # its init stopped it at its CPU limit
+        status, told = "timeout", str(signal.SIGKILL).encode()
     code = os.waitstatus_to_exitcode(int(told) if told else wait_status)
     out = {"status": status, "exit": code, "s": round(time.monotonic() - started, 3)}
     if status is None:
@@ -407,6 +432,18 @@ def collect(pid, fds, ended, spec, call):
         if code != 0:
             out["error"] = describe(code, data[fds[2]])
     return out, data[kept][:cap]
+
+
+def cpu_seconds(spec):
+    """CPU time used by the whole run so far (its cgroup's), None where nothing measures it.
+    While a case runs the harness only waits: the increase is the case's own."""
+    cpu = spec.get("cpu")
+    if cpu is None:
+        return None
+    text = os.pread(cpu["fd"], 4096, 0).decode()
+    if cpu["key"]:
+        text = next(line.split()[1] for line in text.splitlines() if line.startswith(cpu["key"]))
+    return int(text) * cpu["unit"]
 
 
 def describe(code, stderr):

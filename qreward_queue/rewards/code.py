@@ -27,7 +27,7 @@ import re
 from typing import Any
 
 from . import Scored
-from .sandbox import GRACE_S, Limits, Run, run_cases
+from .sandbox import GRACE_S, Limits, Run, bound_s, case_wall_s, run_cases
 from .testcases import load_tests
 
 _FENCE = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
@@ -177,9 +177,10 @@ def time_needed_s(time_s: float = 10.0, case_s: float = 2.0, **_: Any) -> tuple[
     """The longest one sample can take with these options, and why: a function backend's
     `timeout_s` below it would kill samples the sandbox is still scoring (checked when the
     backend file loads)."""
-    bound = float(time_s) + float(case_s) + GRACE_S + START_S
-    why = f"code_reward's time_s {time_s:g} + case_s {case_s:g} + the sandbox's {GRACE_S:g} s"
-    return bound, f"{why} grace + {START_S:g} s to start it"
+    bound = bound_s(Limits(time_s=float(time_s), case_s=float(case_s))) + START_S
+    why = f"code_reward's time_s {time_s:g} + a last case's wall clock"
+    why += f" {case_wall_s(float(case_s)):g} + the sandbox's {GRACE_S:g} s grace"
+    return bound, f"{why} + {START_S:g} s to start it"
 
 
 code_reward.time_needed_s = time_needed_s  # type: ignore[attr-defined]

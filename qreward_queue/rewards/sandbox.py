@@ -67,7 +67,10 @@ class Limits:
     """Limits of one sandboxed run (all test cases of one program)."""
 
     time_s: float = 10.0  # the program's time for all its cases; cases beyond it fail
-    case_s: float = 2.0  # wall clock of one test case (its CPU limit is this + 1 s)
+    # CPU time of one test case, all its processes (where a cgroup measures it: time other
+    # programs take from it does not count; its wall clock may run to case_wall_s); else
+    # its wall clock. Each process's own CPU limit is this + 1 s.
+    case_s: float = 2.0
     memory_mb: int = 512  # address space of each process; with a cgroup, of the whole run
     processes: int = 32  # with a cgroup, per run; without one, a case runs alone
     file_mb: int = 16
@@ -75,6 +78,17 @@ class Limits:
     open_files: int = 64
     output_bytes: int = 1 << 20  # stdout kept per case; more ends the case
     loopback: bool = False  # TCP/UDP on the run's own 127.0.0.1 (else AF_UNIX sockets only)
+
+
+def case_wall_s(case_s: float) -> float:
+    """The wall clock a case may take when its CPU time is what counts (a sleep, a blocked
+    read, or CPU given to others)."""
+    return 2 * case_s + 1
+
+
+def bound_s(limits: Limits) -> float:
+    """How long one sandbox may take before the host gives up on it (a SandboxError)."""
+    return limits.time_s + case_wall_s(limits.case_s) + GRACE_S
 
 
 @dataclass
@@ -282,6 +296,10 @@ def _one_sandbox(code: str, cases: list[dict], limits: Limits, mechanism: str) -
     argv, setup = command(mechanism, limits, group is not None)
     work = setup["work"] or tempfile.mkdtemp(prefix="qrq-sandbox-")
     spec = {**setup, "work": work, "code": code, "cases": len(cases), "limits": asdict(limits)}
+    spec["case_wall_s"] = case_wall_s(limits.case_s)  # where the harness measures CPU time
+    clock = group.cpu_clock() if group is not None else None
+    if clock is not None:  # the harness reads the run's CPU time through this descriptor
+        spec["cpu"] = {"fd": os.open(clock[0], os.O_RDONLY), "key": clock[1], "unit": clock[2]}
     message = _compiled(HARNESS) + _frame(spec) + b"".join(_frame(case) for case in cases)
     try:
         proc = subprocess.Popen(
@@ -291,8 +309,9 @@ def _one_sandbox(code: str, cases: list[dict], limits: Limits, mechanism: str) -
             stderr=subprocess.PIPE,
             env=ENV,
             start_new_session=True,
+            pass_fds=(spec["cpu"]["fd"],) if "cpu" in spec else (),
         )
-        limit_s = limits.time_s + limits.case_s + GRACE_S
+        limit_s = bound_s(limits)
         try:
             out, err = proc.communicate(message, timeout=limit_s)
         except subprocess.TimeoutExpired:
@@ -302,6 +321,8 @@ def _one_sandbox(code: str, cases: list[dict], limits: Limits, mechanism: str) -
             why = f"the sandbox ({mechanism}) did not finish within {limit_s:g} s"
             raise SandboxError(why) from None
     finally:
+        if "cpu" in spec:
+            os.close(spec["cpu"]["fd"])
         if group is not None:
             cgroups.release(group, enter)
         if setup["work"] is None:
