@@ -433,3 +433,29 @@ def test_8_innocent_samples_keep_their_scores_beside_a_neighbour_spinning_in_new
     run = sandbox_neighbours.with_neighbour("setsid_spinners")
     # Then every innocent sample passes all its cases
     assert run["innocent_passed"] == "8/8", run
+
+
+def test_7_page_cache_a_caller_holds_does_not_raise_the_next_runs_memory_bound(tmp_path):
+    layout = cgroups.available()
+    if isinstance(layout, str):
+        pytest.skip(layout)
+    # Given a single-threaded caller (a helper) whose group was charged 200 MB of page cache
+    caller = dedent(f"""
+        import os
+        from qreward_queue.rewards import cgroups
+        layout = cgroups.available()
+        group, entered = cgroups.for_run(layout, 64 << 20, 8)
+        cgroups.release(group, entered)
+        with open({str(tmp_path / "cache")!r}, "wb") as f:
+            for _ in range(200):
+                f.write(os.urandom(1 << 20))
+        cached, _ = group.usage()
+        group, entered = cgroups.for_run(layout, 64 << 20, 8)
+        name = "memory.max" if layout.version == 2 else "memory.limit_in_bytes"
+        print(cached, group.anonymous(), int(group._path(name).read_text()))
+        cgroups.release(group, entered)
+    """)
+    done = subprocess.run([sys.executable, "-c", caller], capture_output=True, text=True)
+    cached, anonymous, bound = map(int, done.stdout.split())
+    # Then the next run's bound is its budget above the caller's own memory, not the cache
+    assert bound == anonymous + (64 << 20) and cached > bound, (cached, anonymous, bound)
