@@ -115,11 +115,12 @@ def _system_paths() -> list[str]:
     return [p for p in paths if os.path.lexists(p)]
 
 
+@cache
 def _hidden_paths() -> list[str]:
     """Every site or dist directory of the interpreter (`*-packages` under a `lib*/python*`
     of its prefix, /usr or /usr/local, and whatever sysconfig and site name): installed
     packages are not the program's to read (a data set or a test suite may ship in one),
-    and `-I -S` keeps them off its path anyway."""
+    and `-I -S` keeps them off its path anyway. Found once per process (~15 ms)."""
     roots = {os.path.realpath(sys.base_prefix), "/usr", "/usr/local"}
     found = {p for root in roots for p in glob.glob(f"{root}/lib*/python*/*-packages")}
     for scheme in sysconfig.get_scheme_names():
