@@ -38,7 +38,7 @@ REWARDS = {
     "math": ("qreward_queue.rewards.math:math_reward", 64, {}),
     "code": ("qreward_queue.rewards.code:code_reward", 1, {"time_s": 10, "case_s": 1}),
 }
-CODE_TIMEOUT_S = 15  # per sample in the function backend, above the sandbox's time_s
+CODE_TIMEOUT_S = 25  # per sample: >= time_s + (2 case_s + 1) + the sandbox's 10 s grace + 1 s
 
 
 def format_samples(n: int, rng: random.Random) -> list[dict]:

@@ -12,12 +12,15 @@ import os
 import socket
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 from support import Worker, function_backend, write_config
 
 import qreward_queue
+from qreward_queue.config import load_backend
+from qreward_queue.errors import ConfigError
 from qreward_queue.rewards import sandbox
 from qreward_queue.rewards.code import code_reward, run_tests
 
@@ -127,7 +130,8 @@ def test_every_escape_is_contained_and_reported(canaries):
         elapsed = time.monotonic() - started
         statuses[name] = run.cases[0]["status"]
         assert score == 0.0, (name, run)
-        assert elapsed < limits.case_s + 3, (name, elapsed)  # deadline promise: case_s
+        # deadline promise: case_s of CPU time, at most case_wall_s of wall clock
+        assert elapsed < sandbox.case_wall_s(limits.case_s) + 3, (name, elapsed)
     assert canaries["listener"].accepted == 0
     assert statuses["infinite_loop"] == "timeout"
     assert statuses["print_100mb"] == "output_limit"
@@ -185,9 +189,9 @@ def test_no_sandbox_is_a_clear_refusal_unless_unsafe(monkeypatch):
 
 
 def test_escapes_through_a_real_worker_leave_it_alive_and_scoring(canaries, tmp_path, redis_url):
-    # Given a prefork worker scoring code_reward (8 s per sample, far above the 2 s per case)
+    # Given a prefork worker scoring code_reward (25 s per sample, far above the 2 s per case)
     tables = function_backend("qreward_queue.rewards.code:code_reward", chunk_size=4)
-    tables["backend"]["timeout_s"] = 8
+    tables["backend"]["timeout_s"] = 25  # above time_s + case_s + the sandbox's grace
     tables["backend"]["options"] = {"time_s": 6, "case_s": 2}
     config = write_config(tmp_path, {"code": tables}, redis_url=redis_url)
     app = qreward_queue.configure(qreward_queue.load_config(config))
@@ -211,3 +215,17 @@ def test_escapes_through_a_real_worker_leave_it_alive_and_scoring(canaries, tmp_
     assert canaries["listener"].accepted == 0
     assert not marker_processes()
     assert not os.path.exists(os.path.join(str(tmp_path), "big"))
+
+
+def test_a_backend_timeout_below_the_sandboxs_own_bound_is_refused_when_it_loads(tmp_path):
+    # Given the shipped example, and the same file with the sample timeout it had (20 s)
+    example = Path(qreward_queue.__file__).parents[1] / "examples" / "workers" / "code.toml"
+    assert load_backend(example).timeout_s >= 26
+    short = tmp_path / "code.toml"
+    short.write_text(example.read_text().replace("timeout_s = 30", "timeout_s = 20"))
+    # Then loading it says, in one line, which limit is too low and what it must cover
+    with pytest.raises(ConfigError) as refused:
+        load_backend(short)
+    message = str(refused.value)
+    assert "\n" not in message and "timeout_s" in message and "at least 26 s" in message
+    assert "time_s 10 + a last case's wall clock 5" in message

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 from textwrap import dedent
 
 import psutil
@@ -101,6 +102,29 @@ def test_2_integers_exactly_floats_within_the_tolerance_and_comparing_never_rais
     for program in hostile:
         scored = score(program, calls)  # a number, never an exception
         assert 0.0 <= scored <= 0.5 and scored.detail, program
+
+
+def test_2_hostile_output_is_a_wrong_answer_not_a_hang_nor_an_out_of_memory_helper():
+    # Given outputs that made the comparator backtrack and the helper's JSON balloon
+    backtrack = score('print("1" * 60000 + "x")', stdin_cases(("", "0.5")))
+    assert backtrack == 0.0 and "wrong output" in backtrack.detail
+    flood = "import os, sys\nb = b'\\xff' * (1 << 20)\nsys.stdout.buffer.write(b)\n"
+    flood += "sys.stdout.flush()\nos.write(3, b)"
+    caller = dedent(f"""
+        import resource
+        from qreward_queue.rewards import sandbox
+        from qreward_queue.rewards.code import code_reward
+        sandbox.pick_mechanism = lambda unsafe=False: {sandbox.pick_mechanism()!r}
+        cap = 768 * 2**20  # far below the 48 x 12.6 MB of JSON escapes this made before
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+        tests = [{{"input": "", "output": "1"}}] * 48
+        sample = {{"prompt": "", "response": {flood!r}, "extra": {{"tests": tests}}}}
+        scored = code_reward(sample, time_s=120)
+        print("scored", scored, scored.detail[:60])
+    """)
+    # Then the sample is scored 0 (each case a wrong answer), in a helper of bounded memory
+    done = subprocess.run([sys.executable, "-c", caller], capture_output=True, text=True)
+    assert done.returncode == 0 and "scored 0.0 0/48 cases passed" in done.stdout, done
 
 
 # 3. A failing program cannot make itself unscored.
@@ -340,3 +364,98 @@ def test_6_the_sandbox_sees_only_system_directories_read_only_and_reaches_nothin
     listing = f"import os\nprint([os.listdir(p) for p in {hidden!r}])"
     run = sandbox.run_cases(listing, [{"input": ""}])
     assert run.cases[0]["stdout"].strip() == str([[] for _ in hidden])
+    # whatever site or dist directory the interpreter has (Debian's dist-packages included)
+    roots = [sys.base_prefix, "/usr", "/usr/local"]
+    shown = (
+        "import glob, os\n"
+        f"paths = [p for r in {roots!r} for p in glob.glob(r + '/lib*/python*/*-packages')]\n"
+        "print(len(paths), [p for p in paths if os.listdir(p)])"
+    )
+    out = sandbox.run_cases(shown, [{"input": ""}]).cases[0]["stdout"].split(" ", 1)
+    assert int(out[0]) >= 1 and out[1].strip() == "[]", out
+
+
+# 7. No socket, memory or session outside what the run is bounded by.
+REACH = dedent("""
+    import ctypes, os, socket
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    got = []
+    for name, family in (("vsock", 40), ("inet", 2), ("inet6", 10), ("netlink", 16),
+                         ("packet", 17), ("alg", 38), ("bluetooth", 31)):
+        try:
+            socket.socket(family, socket.SOCK_STREAM if family != 16 else socket.SOCK_RAW).close()
+            got.append(name)
+        except OSError:
+            pass
+    if libc.syscall(41, (1 << 32) | 40, 1, 0) >= 0:  # vsock with the upper bits set
+        got.append("vsock-high-bits")
+    if libc.syscall(29, 0, 1 << 20, 0o1600) >= 0:  # shmget(IPC_PRIVATE, 1 MB)
+        got.append("sysv-shm")
+    if libc.syscall(319, b"x", 0) >= 0:  # memfd_create
+        got.append("memfd")
+    for call in (os.setsid, lambda: os.setpgid(0, 0)):
+        try:
+            call()
+            got.append(call.__name__)
+        except OSError:
+            pass
+    a, b = socket.socketpair()
+    print(got, "unix-ok" if a.send(b"x") == 1 and b.recv(1) == b"x" else "unix-broken")
+""")
+
+
+def test_7_only_unix_sockets_no_sysv_or_memfd_memory_no_new_session(mechanism):
+    # Given a program reaching for every socket family, memory outside its address space
+    # and a session of its own (one more CPU share under the kernel's autogroup)
+    run = sandbox.run_cases(REACH, [{"input": ""}])
+    # Then only AF_UNIX sockets work; the rest is refused
+    assert run.cases[0]["stdout"].strip() == "[] unix-ok", run.cases[0]
+    # And a backend that asks for loopback networking gets TCP on the run's own 127.0.0.1
+    tcp = "import socket\ns = socket.socket()\ns.bind(('127.0.0.1', 0))\nprint('bound')"
+    assert score(tcp, stdin_cases(("", "bound"))) == 0.0
+    assert score(tcp, stdin_cases(("", "bound")), loopback=True) == 1.0
+
+
+# 8. A sample's CPU use cannot cost a neighbour its score.
+def test_8_innocent_samples_keep_their_scores_beside_a_neighbour_spinning_in_new_sessions(
+    mechanism, monkeypatch
+):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import sandbox_neighbours
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(sys.path))  # the neighbour's mechanism:
+    monkeypatch.setattr(sandbox_neighbours, "HOSTILE", sandbox_neighbours.HOSTILE.replace(
+        "import sys\n", f"import sys\nfrom qreward_queue.rewards import sandbox\n"
+        f"sandbox.pick_mechanism = lambda unsafe=False: {mechanism!r}\n", 1))
+    # Given another process scoring a correct program whose 40 children each try setsid()
+    # and spin in every case, when 8 innocent samples (case_s=1) are scored beside it
+    run = sandbox_neighbours.with_neighbour("setsid_spinners")
+    # Then every innocent sample passes all its cases
+    assert run["innocent_passed"] == "8/8", run
+
+
+def test_7_page_cache_a_caller_holds_does_not_raise_the_next_runs_memory_bound(tmp_path):
+    layout = cgroups.available()
+    if isinstance(layout, str):
+        pytest.skip(layout)
+    # Given a single-threaded caller (a helper) whose group was charged 200 MB of page cache
+    caller = dedent(f"""
+        import os
+        from qreward_queue.rewards import cgroups
+        layout = cgroups.available()
+        group, entered = cgroups.for_run(layout, 64 << 20, 8)
+        cgroups.release(group, entered)
+        with open({str(tmp_path / "cache")!r}, "wb") as f:
+            for _ in range(200):
+                f.write(os.urandom(1 << 20))
+        cached, _ = group.usage()
+        group, entered = cgroups.for_run(layout, 64 << 20, 8)
+        name = "memory.max" if layout.version == 2 else "memory.limit_in_bytes"
+        print(cached, group.anonymous(), int(group._path(name).read_text()))
+        cgroups.release(group, entered)
+    """)
+    done = subprocess.run([sys.executable, "-c", caller], capture_output=True, text=True)
+    cached, anonymous, bound = map(int, done.stdout.split())
+    # Then the next run's bound is its budget above the caller's own memory, not the cache
+    assert bound == anonymous + (64 << 20) and cached > bound, (cached, anonymous, bound)

@@ -6,11 +6,26 @@ It runs in helper processes with per-sample limits (timeout, memory cap, recycli
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import re
 from typing import Any
 
+from ..settings import Backend
 from ..toml_table import Table
 from .base import BackendClient, Call
+
+
+def _time_needed_s(function: str, options: dict) -> tuple[float, str] | None:
+    """What a built-in reward says one sample may take with these options (code_reward:
+    its sandbox's own bound), None when it says nothing. Only qrq's own rewards are imported
+    here: a user's module stays unimported until a call."""
+    module, _, name = function.partition(":")
+    if not module.startswith("qreward_queue.rewards."):
+        return None
+    with contextlib.suppress(ImportError, AttributeError, TypeError, ValueError):
+        return getattr(importlib.import_module(module), name).time_needed_s(**options)
+    return None
 
 
 class FunctionBackend(BackendClient):
@@ -27,6 +42,9 @@ class FunctionBackend(BackendClient):
         if not re.fullmatch(r"[\w.]+:[\w.]+", function):
             raise b.fail("function", "an import path 'package.module:callable'")
         options = b.get("options", dict, {}, expected="a table of keyword arguments")
+        needed = _time_needed_s(function, options)
+        if needed is not None and b.number("timeout_s", Backend.timeout_s) < needed[0]:
+            raise b.fail("timeout_s", f"at least {needed[0]:g} s per sample ({needed[1]})")
         return {"function": function, "options": options}
 
     @property

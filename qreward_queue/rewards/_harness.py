@@ -4,7 +4,8 @@ Protocol on stdin: frames of 10 ASCII digits (the length) and a JSON document: f
 spec (code, limits, how to set up), then one case at a time ({"input"} or {"fn_name",
 "args"}), read only when that case starts: no later case's input is ever in memory a program
 could read. On stdout, one JSON line each: {"ready": ...} once set up (or {"fatal": why}),
-{"start": k} as case k starts, then the case's outcome.
+{"start": k} as case k starts, then the case's outcome followed by its raw output (stdout,
+or the JSON a call returned), `"bytes"` long.
 
 The harness keeps its privileges (root, or root of its own user namespace) and never touches
 a path after set-up. Each case gets a PID namespace of its own whose pid 1 (the case's init)
@@ -27,7 +28,7 @@ import sys
 import time
 import traceback
 
-CLONE_NEWPID, SYS_CLONE = 0x20000000, 56  # x86_64
+CLONE_NEWPID, CLONE_NEWIPC, SYS_CLONE = 0x20000000, 0x08000000, 56  # x86_64
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP = 1, 4, 24
 PR_SET_SECUREBITS, PR_SET_NO_NEW_PRIVS, PR_SET_CHILD_SUBREAPER, PR_CAP_AMBIENT = 27, 38, 36, 47
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 32, 4096, 16384
@@ -44,7 +45,10 @@ DENIED = (  # a program needs none of these; each would let it step around the l
     "add_key", "request_key", "bpf", "userfaultfd", "perf_event_open", "open_by_handle_at",
     "io_uring_setup", "fsopen", "fsmount", "fsconfig", "open_tree", "move_mount",
     "mount_setattr",
+    "setsid", "setpgid",  # a session or group of its own: one more CPU share (autogroup)
+    "shmget", "memfd_create",  # memory outside the address space and the tmpfs sizes
 )
+AF_UNIX, AF_INET, AF_INET6, CLONE_THREAD = 1, 2, 10, 0x10000
 SCMP_ACT_ALLOW, SCMP_ACT_ERRNO, SCMP_CMP_MASKED_EQ = 0x7FFF0000, 0x00050000, 7
 
 
@@ -53,10 +57,13 @@ class ArgCmp(ctypes.Structure):
                 ("b", ctypes.c_uint64)]
 
 
-def syscall_filter():
-    """A seccomp filter (libseccomp) refusing new namespaces (a user namespace would let a
-    program mount a tmpfs of its own), mounts, ptrace, keyrings and bpf; None without
-    libseccomp."""
+def equal_int(arg, value):
+    """An int argument equals `value` (its upper 32 bits, which the kernel ignores, masked)."""
+    return ArgCmp(arg, SCMP_CMP_MASKED_EQ, 0xFFFFFFFF, value)
+
+
+def seccomp():
+    """libseccomp, or None when it is not installed."""
     try:
         lib = ctypes.CDLL("libseccomp.so.2")
     except OSError:
@@ -66,22 +73,43 @@ def syscall_filter():
         ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint, ctypes.POINTER(ArgCmp)
     ]
     lib.seccomp_load.argtypes = [ctypes.c_void_p]
-    ctx = lib.seccomp_init(SCMP_ACT_ALLOW)
+    return lib
 
-    def refuse(name, err, *compare):
+
+def seccomp_filter(lib, rules):
+    """A filter allowing everything but `rules`: (syscall, errno, argument comparisons...)."""
+    ctx = lib.seccomp_init(SCMP_ACT_ALLOW)
+    for name, err, *compare in rules:
         number = lib.seccomp_syscall_resolve_name(name.encode())
         if number >= 0:
             array = (ArgCmp * max(1, len(compare)))(*compare)
             action = SCMP_ACT_ERRNO | err
             rule = lib.seccomp_rule_add_array(ctx, action, number, len(compare), array)
             check(rule, f"seccomp rule for {name}")
-
-    for name in DENIED:
-        refuse(name, errno.EPERM)
-    refuse("clone3", errno.ENOSYS)  # the C library falls back to clone, whose flags we see
-    for flag in NEW_NAMESPACES:
-        refuse("clone", errno.EPERM, ArgCmp(0, SCMP_CMP_MASKED_EQ, flag, flag))
     return lib, ctx
+
+
+def syscall_filter(lib, loopback):
+    """Refuses new namespaces (a user namespace would let a program mount a tmpfs of its
+    own), mounts, ptrace, keyrings, bpf, new sessions, SysV and memfd memory, and every
+    socket family but AF_UNIX (and AF_INET/AF_INET6 on the run's own loopback when asked
+    for): vsock and the other families no network namespace separates are refused."""
+    rules = [(name, errno.EPERM) for name in DENIED]
+    rules.append(("clone3", errno.ENOSYS))  # the C library falls back to clone: flags seen
+    rules += [("clone", errno.EPERM, ArgCmp(0, SCMP_CMP_MASKED_EQ, f, f)) for f in NEW_NAMESPACES]
+    allowed = {AF_UNIX, AF_INET, AF_INET6} if loopback else {AF_UNIX}
+    for family in sorted(set(range(64)) - allowed):  # AF_MAX is 46
+        for call in ("socket", "socketpair"):
+            rules.append((call, errno.EAFNOSUPPORT, equal_int(0, family)))
+    return seccomp_filter(lib, rules)
+
+
+def process_filter(lib):
+    """Threads but no new processes (where no cgroup bounds a run, each process would get
+    an address space of its own)."""
+    no_thread = ArgCmp(0, SCMP_CMP_MASKED_EQ, CLONE_THREAD, 0)
+    rules = [("fork", errno.EAGAIN), ("vfork", errno.EAGAIN), ("clone", errno.EAGAIN, no_thread)]
+    return seccomp_filter(lib, rules)
 
 
 class SandboxFault(Exception):
@@ -116,7 +144,11 @@ def prepare(spec):
         build_root(spec["root"])
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # a case's first process comes back to us
     libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
-    spec["filter"] = syscall_filter()
+    lib = seccomp()
+    spec["filter"] = lib and syscall_filter(lib, spec["limits"]["loopback"])
+    spec["no_fork"] = lib and spec["threads"] and process_filter(lib)
+    if spec["no_fork"]:  # threads count against RLIMIT_NPROC too
+        spec["nproc"] += spec["threads"]
     fresh_directories(spec, first=True)
 
 
@@ -196,8 +228,9 @@ def run_case(spec, case, index):
     os.write(stdin, case.get("input", "").encode())
     os.lseek(stdin, 0, os.SEEK_SET)
     pipes = [os.pipe() for _ in range(4)]  # stdout, result, stderr, how the program ended
-    # a bare clone (this process has one thread): the child is pid 1 of a new namespace
-    flags = signal.SIGCHLD | (CLONE_NEWPID if spec["pidns"] else 0)
+    # a bare clone (this process has one thread): the child is pid 1 of a new PID namespace,
+    # in an IPC namespace of its own (message queues and semaphores die with the case)
+    flags = signal.SIGCHLD | (CLONE_NEWPID | CLONE_NEWIPC if spec["pidns"] else 0)
     pid = libc.syscall(SYS_CLONE, flags, None, None, None, None)
     if pid == 0:
         child(spec, case, stdin, pipes)
@@ -206,7 +239,7 @@ def run_case(spec, case, index):
     for _, w in pipes:
         os.close(w)
     os.close(stdin)
-    outcome = collect(pid, [r for r, _ in pipes[:3]], pipes[3][0], spec)
+    outcome = collect(pid, [r for r, _ in pipes[:3]], pipes[3][0], spec, "fn_name" in case)
     for r, _ in pipes:
         os.close(r)
     return outcome
@@ -234,6 +267,10 @@ def child(spec, case, stdin, pipes):
             run_program(spec, case)
         for fd in range(4):
             os.close(fd)
+        if spec["no_fork"] and not within_cpu(program, spec["limits"]["case_s"]):
+            os.write(4, b"T")  # the harness reports the timeout; exiting kills the program
+            code = 0
+            return
         while True:
             pid, status = os.waitpid(-1, 0)
             if pid == program:
@@ -242,6 +279,21 @@ def child(spec, case, stdin, pipes):
         code = 0
     finally:
         os._exit(code)
+
+
+def within_cpu(pid, seconds):
+    """Wait for the program to end; False once its CPU time (all its threads: it may start
+    no process) passes `seconds`. Time other programs take from it does not count."""
+    clock = ctypes.c_int()
+    if libc.clock_getcpuclockid(pid, ctypes.byref(clock)) != 0:
+        raise OSError("no CPU clock for the program")
+    done = os.pidfd_open(pid)
+    while True:
+        left = seconds - time.clock_gettime(clock.value)
+        if left <= 0:
+            return False
+        if select.select([done], [], [], left)[0]:
+            return True
 
 
 def run_program(spec, case):
@@ -253,10 +305,14 @@ def run_program(spec, case):
         sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
         dumps = json.dumps  # taken before the program can replace it
         namespace = {"__name__": "__main__" if "fn_name" not in case else "solution"}
+        if spec["no_fork"]:
+            lib, ctx = spec["no_fork"]
+            check(lib.seccomp_load(ctx), "seccomp")
         try:
             exec(compile(spec["code"], "<solution>", "exec"), namespace)
             if "fn_name" in case:
                 os.write(3, dumps(call(namespace, case)).encode())
+            join_threads()
             code = 0
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -267,6 +323,16 @@ def run_program(spec, case):
         sys.stderr.flush()
     finally:
         os._exit(code)
+
+
+def join_threads():
+    """Wait for the program's threads as an interpreter's exit does (the deep-recursion idiom
+    does its work in a thread the main thread never joins)."""
+    threading = sys.modules.get("threading")
+    if threading is not None:
+        for thread in threading.enumerate():
+            if not thread.daemon and thread is not threading.current_thread():
+                thread.join()
 
 
 def limit(spec):
@@ -312,17 +378,24 @@ def call(namespace, case):
     return target(*case.get("args", []))
 
 
-def collect(pid, fds, ended, spec):
-    """Read stdout/result (capped) and stderr (its tail) until the case ends or runs out of
-    time; then kill its namespace (killing its pid 1 kills everything in it)."""
+def collect(pid, fds, ended, spec, call):
+    """Read what the case printed (stdout) or returned (fd 3), capped, and stderr's tail,
+    until the case ends or runs out of time; then kill its namespace (killing its pid 1 kills
+    everything in it). Only the stream the case is judged on is kept, as bytes."""
     case_s, cap = spec["limits"]["case_s"], spec["limits"]["output_bytes"]
-    started = time.monotonic()
+    measured = spec.get("cpu") is not None or spec["no_fork"]  # else its wall clock counts
+    wall_s = spec["case_wall_s"] if measured else case_s
+    kept = fds[1] if call else fds[0]
+    started, used = time.monotonic(), cpu_seconds(spec)
     done = os.pidfd_open(pid)
     data = {fd: b"" for fd in fds}
+    sizes = dict.fromkeys(fds, 0)
     status = None
     open_fds = [*fds, done]
     while open_fds:
-        left = started + case_s - time.monotonic()
+        left = started + wall_s - time.monotonic()
+        if used is not None:  # its CPU time counts (at most one core: it cannot run faster)
+            left = min(left, case_s - (cpu_seconds(spec) - used))
         if left <= 0:
             status = "timeout"
             break
@@ -335,10 +408,12 @@ def collect(pid, fds, ended, spec):
             if not chunk:
                 open_fds.remove(fd)
                 continue
-            data[fd] += chunk
-            if fd == fds[2]:
-                data[fd] = data[fd][-2000:]
-        if len(data[fds[0]]) > cap or len(data[fds[1]]) > cap:
+            sizes[fd] += len(chunk)
+            if fd == kept:
+                data[fd] += chunk
+            elif fd == fds[2]:
+                data[fd] = (data[fd] + chunk)[-2000:]
+        if sizes[fds[0]] > cap or sizes[fds[1]] > cap:
             status = "output_limit"
             break
     with contextlib.suppress(ProcessLookupError):
@@ -348,16 +423,27 @@ def collect(pid, fds, ended, spec):
     told = os.read(ended, 300)  # how the program ended, if its init saw it end
     if told.startswith(b"E"):
         raise SandboxFault(f"a test case could not be set up: {told[1:].decode()}")
+    if told == b"T":  # its init stopped it at its CPU limit
+        status, told = "timeout", str(signal.SIGKILL).encode()
     code = os.waitstatus_to_exitcode(int(told) if told else wait_status)
     out = {"status": status, "exit": code, "s": round(time.monotonic() - started, 3)}
-    out["stdout"] = data[fds[0]][:cap].decode("utf-8", "replace")
-    if data[fds[1]]:
-        out["result"] = data[fds[1]][:cap].decode("utf-8", "replace")
     if status is None:
         out["status"] = "ok" if code == 0 else "error"
         if code != 0:
             out["error"] = describe(code, data[fds[2]])
-    return out
+    return out, data[kept][:cap]
+
+
+def cpu_seconds(spec):
+    """CPU time used by the whole run so far (its cgroup's), None where nothing measures it.
+    While a case runs the harness only waits: the increase is the case's own."""
+    cpu = spec.get("cpu")
+    if cpu is None:
+        return None
+    text = os.pread(cpu["fd"], 4096, 0).decode()
+    if cpu["key"]:
+        text = next(line.split()[1] for line in text.splitlines() if line.startswith(cpu["key"]))
+    return int(text) * cpu["unit"]
 
 
 def describe(code, stderr):
@@ -369,8 +455,14 @@ def describe(code, stderr):
     return f"{head}: {tail}" if tail else head
 
 
-def emit(message):
-    os.write(1, (json.dumps(message) + "\n").encode())
+def emit(message, output=b""):
+    """One JSON line; a case's outcome is followed by its raw output (`"bytes"` long): no
+    text encoding inflates what a program printed."""
+    if "status" in message:
+        message["bytes"] = len(output)
+    data = (json.dumps(message) + "\n").encode() + output
+    while data:
+        data = data[os.write(1, data):]
 
 
 def main():
@@ -394,13 +486,13 @@ def main():
         try:
             if index:
                 fresh_directories(spec)
-            outcome = run_case(spec, case, index)
+            outcome, output = run_case(spec, case, index)
         except (OSError, SandboxFault) as exc:
             emit({"fatal": str(exc)})
             return
         if outcome["status"] == "timeout":  # it would hang again: skip the remaining cases
             skip = "not run: an earlier case ran over its time limit"
-        emit(outcome)
+        emit(outcome, output)
 
 
 if __name__ == "__main__":

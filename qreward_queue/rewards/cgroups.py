@@ -24,6 +24,7 @@ from functools import cache
 from pathlib import Path
 
 ROOT = Path("/sys/fs/cgroup")
+CPU_SHARE = 1.0  # cores a run may use at most (a quota), whatever it forks
 _serial = itertools.count()
 
 
@@ -32,7 +33,14 @@ class Layout:
     """Where this worker's sample groups go: one parent per hierarchy, and which version."""
 
     version: int
-    parents: tuple[Path, ...]  # v2: one; v1: memory, pids
+    parents: tuple[Path, ...]  # v2: one; v1: memory, pids, then cpu and cpuacct if mounted
+
+    @property
+    def cpu(self) -> bool:
+        """Whether a run's CPU is bounded (a quota) and measured (its usage) here."""
+        if self.version == 1:
+            return len(self.parents) == 4
+        return "cpu" in (self.parents[0].parent / "cgroup.subtree_control").read_text().split()
 
 
 def _own(hierarchy: str) -> str | None:
@@ -58,7 +66,10 @@ def _layout() -> Layout | str:
     """The layout, or why there is none."""
     memory, pids = ROOT / "memory", ROOT / "pids"
     if (memory / "memory.limit_in_bytes").exists() and (pids / "cgroup.procs").exists():
-        return Layout(1, (memory / _own_dir("memory"), pids / _own_dir("pids")))
+        names = ["memory", "pids"]
+        if (ROOT / "cpu" / "cpu.cfs_quota_us").exists() and (ROOT / "cpuacct").is_dir():
+            names += ["cpu", "cpuacct"]
+        return Layout(1, tuple(ROOT / name / _own_dir(name) for name in names))
     for v2 in (ROOT, ROOT / "unified"):
         controllers = v2 / "cgroup.controllers"
         if controllers.exists() and {"memory", "pids"} <= set(controllers.read_text().split()):
@@ -88,7 +99,10 @@ def available() -> Layout | str:
 def describe(layout: Layout | str) -> str:
     if isinstance(layout, str):
         return f"rlimits only ({layout})"
-    return f"a cgroup v{layout.version} per sample under {', '.join(map(str, layout.parents))}"
+    where = f"a cgroup v{layout.version} per sample under {', '.join(map(str, layout.parents))}"
+    if not layout.cpu:
+        return f"{where} (no cpu controller: CPU shared per process, case limits in wall time)"
+    return f"{where}, CPU {CPU_SHARE:g} core per sample, case limits in its CPU time"
 
 
 class Group:
@@ -96,17 +110,42 @@ class Group:
 
     def __init__(self, layout: Layout, name: str):
         if layout.version == 2:  # a delegated group may need its children's controllers on
-            with contextlib.suppress(OSError):
-                (layout.parents[0] / "cgroup.subtree_control").write_text("+memory +pids")
+            for controller in ("+memory +pids", "+cpu"):
+                with contextlib.suppress(OSError):
+                    (layout.parents[0] / "cgroup.subtree_control").write_text(controller)
         self.version, self.dirs = layout.version, []
+        self.names = ("memory", "pids", "cpu", "cpuacct")[: len(layout.parents)]
         try:
             for parent in layout.parents:
                 path = parent / name
                 path.mkdir(exist_ok=True)
                 self.dirs.append(path)
+            self._bound_cpu()
         except OSError:
             self.destroy()
             raise
+
+    def _bound_cpu(self) -> None:
+        """At most CPU_SHARE of a core, and one share of the CPU beside other groups: however
+        many processes or sessions a run makes (the kernel's autogroup, which gives each
+        session a share, applies only outside a cpu cgroup)."""
+        if self.version == 2 and (self.dirs[0] / "cpu.max").exists():
+            self._write("cpu.max", f"{int(CPU_SHARE * 100_000)} 100000")
+        elif "cpu" in self.names:
+            period = int(self._path("cpu.cfs_period_us").read_text())
+            self._write("cpu.cfs_quota_us", str(int(CPU_SHARE * period)))
+
+    def cpu_clock(self) -> tuple[Path, str, float] | None:
+        """(file, key, seconds per unit) of the CPU time used by everything in the group."""
+        if self.version == 2:
+            return self.dirs[0] / "cpu.stat", "usage_usec", 1e-6
+        return (self._path("cpuacct.usage"), "", 1e-9) if "cpuacct" in self.names else None
+
+    def anonymous(self) -> int:
+        """Memory charged that the kernel cannot reclaim by dropping page cache."""
+        stat = dict(line.split() for line in self._path("memory.stat").read_text().splitlines())
+        keys = ("anon", "shmem") if self.version == 2 else ("rss", "shmem")
+        return sum(int(stat.get(key, 0)) for key in keys)
 
     @classmethod
     def create(cls, layout: Layout, memory_bytes: int, pids: int) -> Group:
@@ -136,15 +175,18 @@ class Group:
                 self._write("memory.memsw.limit_in_bytes", value)
         self._write("pids.max", "max" if pids is None else str(pids))
 
+    def _path(self, name: str) -> Path:
+        if self.version == 2:
+            return self.dirs[0] / name
+        return self.dirs[self.names.index(name.split(".")[0])] / name
+
     def _write(self, name: str, value: str) -> None:
-        controller = 1 if self.version == 1 and name.startswith("pids") else 0
-        (self.dirs[controller] / name).write_text(value)
+        self._path(name).write_text(value)
 
     def usage(self) -> tuple[int, int]:
         """(memory charged, processes) now."""
         memory = "memory.current" if self.version == 2 else "memory.usage_in_bytes"
-        pids = self.dirs[0 if self.version == 2 else 1] / "pids.current"
-        return int((self.dirs[0] / memory).read_text()), int(pids.read_text())
+        return int(self._path(memory).read_text()), int(self._path("pids.current").read_text())
 
     def enter_argv(self, enter: bool = True) -> list[str]:
         """argv prefix: a shell that moves itself into every directory of the group (so
@@ -197,13 +239,15 @@ def for_run(layout: Layout, memory_bytes: int, pids: int) -> tuple[Group, bool]:
     Moving a process between cgroups makes the next forks and namespaces slow for a while
     (measured ~15 ms per run here), so a single-threaded caller moves itself once into a
     group of its own and the sandbox, started from it, is in it from its first instruction:
-    the limits are what the caller already uses plus the run's, lifted after the run. A
-    caller with other threads (which could allocate meanwhile), or whose group holds other
-    processes (children forked since), gets a new group per run."""
+    the limits are the caller's own anonymous memory plus the run's budget, lifted after the
+    run. A caller with other threads (which could allocate meanwhile), or whose group holds
+    other processes (children forked since), gets a new group per run."""
     group = _my_group(layout) if threading.active_count() == 1 else None
     if group is not None and group.members() == {os.getpid()}:
-        memory, processes = group.usage()
-        group.limit(memory + memory_bytes, processes + pids)
+        # the caller's own anonymous memory, not its usage: page cache charged to the group
+        # (files earlier runs read) is reclaimable and must not raise this run's bound
+        _, processes = group.usage()
+        group.limit(group.anonymous() + memory_bytes, processes + pids)
         return group, False
     return Group.create(layout, memory_bytes, pids), True
 

@@ -2,12 +2,9 @@
 the fraction of cases passed.
 
 Test cases come from `sample["extra"]["tests"]`, else from `sample["reference"]` as JSON, in
-the shapes of the usual data sets:
-- a list of cases: `{"input": "1 2\\n", "output": "3\\n"}` (stdin/stdout) or
-  `{"fn_name": "add", "args": [1, 2], "expected": 3}` (call-based; a top-level function or
-  a method of LeetCode's `class Solution`);
-- TACO / APPS / code-r1 `input_output`: `{"inputs": [...], "outputs": [...]}` plus an
-  optional `"fn_name"` (then each input is the argument list).
+the shapes the usual data sets ship (APPS, TACO, CodeContests, LiveCodeBench, open-r1's and
+PrimeIntellect's `verification_info`: the table is in `testcases.py`); malformed test data is
+the sample's `error` naming the bad case.
 The program is the last ```python fenced block of the response (else the whole response).
 All cases of one sample run in ONE sandbox (`sandbox.run_cases`: one process, a fork per
 case), which is what makes thousands of samples per minute possible. Expected outputs stay
@@ -30,7 +27,8 @@ import re
 from typing import Any
 
 from . import Scored
-from .sandbox import Limits, Run, run_cases
+from .sandbox import GRACE_S, Limits, Run, bound_s, case_wall_s, run_cases
+from .testcases import load_tests
 
 _FENCE = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
@@ -41,41 +39,12 @@ def extract_code(response: str) -> str:
     return blocks[-1] if blocks else response
 
 
-def load_tests(sample: dict) -> list[dict]:
-    """The sample's test cases as a list of case dicts; ValueError naming what is wrong."""
-    raw: Any = (sample.get("extra") or {}).get("tests")
-    if raw is None:
-        reference = sample.get("reference")
-        if reference is None:
-            raise ValueError("code_reward needs test cases in extra['tests'] or 'reference'")
-        try:
-            raw = json.loads(reference)
-        except ValueError as exc:
-            raise ValueError(f"code_reward: 'reference' is not JSON test cases ({exc})") from None
-    if isinstance(raw, dict):  # TACO / APPS input_output
-        inputs, outputs = raw.get("inputs"), raw.get("outputs")
-        if not isinstance(inputs, list) or not isinstance(outputs, list):
-            raise ValueError("code_reward: test cases need lists 'inputs' and 'outputs'")
-        if len(inputs) != len(outputs):
-            raise ValueError(f"code_reward: {len(inputs)} inputs but {len(outputs)} outputs")
-        name = raw.get("fn_name")
-        raw = [
-            {"fn_name": name, "args": i, "expected": o} if name else {"input": i, "output": o}
-            for i, o in zip(inputs, outputs, strict=True)
-        ]
-    if not isinstance(raw, list) or not raw:
-        raise ValueError("code_reward: no test cases")
-    for k, case in enumerate(raw):
-        if not isinstance(case, dict) or not (
-            {"input", "output"} <= set(case) or "fn_name" in case
-        ):
-            raise ValueError(f"code_reward: test case {k} is neither stdin/stdout nor call-based")
-    return raw
-
-
 _INT = re.compile(r"[+-]?[0-9]+")
-_FLOAT = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+# unambiguous (each character has one way to match), so a failed match is linear in its length
+_FLOAT = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+MAX_DECIMAL = 100  # characters; a longer token is compared as text
 FLOAT_TOL = 1e-6
+START_S = 1.0  # the sandbox's start and the comparison, beyond its own time bound
 MAX_DEPTH = 100  # nesting of a call's expected value compared; deeper is a failed case
 
 
@@ -94,6 +63,8 @@ def _same_token(got: str, want: str, tol: float) -> bool:
         return True
     if _INT.fullmatch(want):
         return _INT.fullmatch(got) is not None and _integer(got) == _integer(want)
+    if max(len(got), len(want)) > MAX_DECIMAL:
+        return False
     if _FLOAT.fullmatch(want) and _FLOAT.fullmatch(got):
         return _close(float(got), float(want), tol)
     return False
@@ -151,7 +122,7 @@ def verdict(case: dict, outcome: dict, float_tol: float = FLOAT_TOL) -> str | No
             value = json.loads(outcome.get("result", ""))
         except ValueError:
             return "no JSON value returned"
-        want = case.get("expected")
+        want = case["expected"]
         # TACO wraps a call's expected value in a one-element list
         ok = same_value(value, want, float_tol) or (
             isinstance(want, list) and len(want) == 1 and same_value(value, want[0], float_tol)
@@ -166,10 +137,6 @@ def passed(case: dict, outcome: dict, float_tol: float = FLOAT_TOL) -> bool:
     return verdict(case, outcome, float_tol) is None
 
 
-def _as_args(args: Any) -> list:
-    return args if isinstance(args, list) else [args]
-
-
 def run_tests(
     sample: dict,
     limits: Limits = Limits(),  # noqa: B008
@@ -179,9 +146,7 @@ def run_tests(
     """(fraction passed, the sandbox run with every case's outcome, why each case failed)."""
     cases = load_tests(sample)
     inputs = [
-        {"fn_name": c["fn_name"], "args": _as_args(c.get("args", []))}
-        if "fn_name" in c
-        else {"input": str(c["input"])}
+        {"fn_name": c["fn_name"], "args": c["args"]} if "fn_name" in c else {"input": c["input"]}
         for c in cases
     ]
     run = run_cases(extract_code(sample["response"]), inputs, limits, unsafe=unsafe)
@@ -196,12 +161,26 @@ def code_reward(
     memory_mb: int = 512,
     unsafe: bool = False,
     float_tol: float = FLOAT_TOL,
+    loopback: bool = False,
 ) -> Scored:
     """Fraction of the sample's test cases the response's program passes, in a sandbox; the
     failed cases and why in `.detail`. A program that hangs, crashes or overruns a limit
     fails those cases; only the sandbox's own failure raises (SandboxError: `error`)."""
-    limits = Limits(time_s=time_s, case_s=case_s, memory_mb=memory_mb)
+    limits = Limits(time_s=time_s, case_s=case_s, memory_mb=memory_mb, loopback=loopback)
     score, _, why = run_tests(sample, limits, unsafe, float_tol)
     failed = [f"case {k}: {w}" for k, w in enumerate(why) if w is not None]
     detail = f"{len(why) - len(failed)}/{len(why)} cases passed"
     return Scored(score, "; ".join([detail, *failed])[:1000])
+
+
+def time_needed_s(time_s: float = 10.0, case_s: float = 2.0, **_: Any) -> tuple[float, str]:
+    """The longest one sample can take with these options, and why: a function backend's
+    `timeout_s` below it would kill samples the sandbox is still scoring (checked when the
+    backend file loads)."""
+    bound = bound_s(Limits(time_s=float(time_s), case_s=float(case_s))) + START_S
+    why = f"code_reward's time_s {time_s:g} + a last case's wall clock"
+    why += f" {case_wall_s(float(case_s)):g} + the sandbox's {GRACE_S:g} s grace"
+    return bound, f"{why} + {START_S:g} s to start it"
+
+
+code_reward.time_needed_s = time_needed_s  # type: ignore[attr-defined]

@@ -22,17 +22,20 @@ threads, so RLIMIT_AS plus the tmpfs sizes bound the total.
 from __future__ import annotations
 
 import contextlib
+import glob
 import itertools
 import json
 import marshal
 import os
 import shutil
 import signal
+import site
 import subprocess
 import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from functools import cache, lru_cache
 from pathlib import Path
@@ -64,13 +67,28 @@ class Limits:
     """Limits of one sandboxed run (all test cases of one program)."""
 
     time_s: float = 10.0  # the program's time for all its cases; cases beyond it fail
-    case_s: float = 2.0  # wall clock of one test case (its CPU limit is this + 1 s)
+    # CPU time of one test case, all its processes (where a cgroup measures it: time other
+    # programs take from it does not count; its wall clock may run to case_wall_s); else
+    # its wall clock. Each process's own CPU limit is this + 1 s.
+    case_s: float = 2.0
     memory_mb: int = 512  # address space of each process; with a cgroup, of the whole run
     processes: int = 32  # with a cgroup, per run; without one, a case runs alone
     file_mb: int = 16
     disk_mb: int = 64  # the private /tmp (the run's only writable directory)
     open_files: int = 64
     output_bytes: int = 1 << 20  # stdout kept per case; more ends the case
+    loopback: bool = False  # TCP/UDP on the run's own 127.0.0.1 (else AF_UNIX sockets only)
+
+
+def case_wall_s(case_s: float) -> float:
+    """The wall clock a case may take when its CPU time is what counts (a sleep, a blocked
+    read, or CPU given to others)."""
+    return 2 * case_s + 1
+
+
+def bound_s(limits: Limits) -> float:
+    """How long one sandbox may take before the host gives up on it (a SandboxError)."""
+    return limits.time_s + case_wall_s(limits.case_s) + GRACE_S
 
 
 @dataclass
@@ -97,14 +115,26 @@ def _system_paths() -> list[str]:
     return [p for p in paths if os.path.lexists(p)]
 
 
+@cache
 def _hidden_paths() -> list[str]:
-    """Installed packages next to the standard library: not the program's to read (a data
-    set or a test suite may ship in one), and `-I -S` keeps them off its path anyway."""
-    base = {"base": sys.base_prefix, "platbase": sys.base_prefix}
-    found = {sysconfig.get_path(kind, vars=base) for kind in ("purelib", "platlib")}
-    local = sysconfig.get_path("purelib", vars={"base": "/usr/local"})
-    found |= {"/usr/lib/python3/dist-packages", local}
-    return sorted(p for p in found if os.path.isdir(p) and not os.path.islink(p))
+    """Every site or dist directory of the interpreter (`*-packages` under a `lib*/python*`
+    of its prefix, /usr or /usr/local, and whatever sysconfig and site name): installed
+    packages are not the program's to read (a data set or a test suite may ship in one),
+    and `-I -S` keeps them off its path anyway. Found once per process (~15 ms)."""
+    roots = {os.path.realpath(sys.base_prefix), "/usr", "/usr/local"}
+    found = {p for root in roots for p in glob.glob(f"{root}/lib*/python*/*-packages")}
+    for scheme in sysconfig.get_scheme_names():
+        for root in roots:
+            for kind in ("purelib", "platlib"):
+                with contextlib.suppress(KeyError, ValueError):
+                    vars_ = {"base": root, "platbase": root, "userbase": root}
+                    found.add(sysconfig.get_path(kind, scheme, vars=vars_))
+    found.update(site.getsitepackages([sys.base_prefix, *roots]))
+    shown = _system_paths()
+    return sorted(
+        p for p in map(os.path.realpath, found)
+        if os.path.isdir(p) and any(p == s or p.startswith(s + "/") for s in shown)
+    )
 
 
 def _bwrap_binds() -> list[str]:
@@ -135,6 +165,8 @@ def command(mechanism: str, limits: Limits, group: bool) -> tuple[list[str], dic
         # the case's init counts; in a user namespace also the harness and bwrap's or
         # unshare's own process
         "nproc": processes + 1 + (2 if userns else 0),
+        # without a group: threads, no processes (a seccomp filter refuses fork)
+        "threads": 0 if group else limits.processes,
         "pidns": mechanism != "unsafe" or root,
         "drop": "uid" if root else "caps" if userns else None,
         "tmpfs": {} if mechanism == "unsafe" else {"/tmp": limits.disk_mb, "/dev/shm": SHM_MB},
@@ -165,7 +197,7 @@ def command(mechanism: str, limits: Limits, group: bool) -> tuple[list[str], dic
         setup["root"] = {"at": "/tmp", "binds": _system_paths(), "hide": _hidden_paths()}
         return argv + python, setup
     if mechanism == "unsafe":
-        return python, {**setup, "work": None, "nproc": limits.processes + 1}
+        return python, {**setup, "work": None, "nproc": limits.processes + 1, "threads": 0}
     raise ValueError(f"unknown sandbox mechanism {mechanism!r}")
 
 
@@ -212,7 +244,7 @@ def describe(unsafe: bool = False) -> str:
     layout = cgroups.available()
     how = cgroups.describe(layout)
     if isinstance(layout, str):
-        how += "; a test case may not start processes or threads"
+        how += "; a test case may start threads but not processes"
     return f"code sandbox: {mechanism}, memory and processes bounded by {how}"
 
 
@@ -265,6 +297,10 @@ def _one_sandbox(code: str, cases: list[dict], limits: Limits, mechanism: str) -
     argv, setup = command(mechanism, limits, group is not None)
     work = setup["work"] or tempfile.mkdtemp(prefix="qrq-sandbox-")
     spec = {**setup, "work": work, "code": code, "cases": len(cases), "limits": asdict(limits)}
+    spec["case_wall_s"] = case_wall_s(limits.case_s)  # where the harness measures CPU time
+    clock = group.cpu_clock() if group is not None else None
+    if clock is not None:  # the harness reads the run's CPU time through this descriptor
+        spec["cpu"] = {"fd": os.open(clock[0], os.O_RDONLY), "key": clock[1], "unit": clock[2]}
     message = _compiled(HARNESS) + _frame(spec) + b"".join(_frame(case) for case in cases)
     try:
         proc = subprocess.Popen(
@@ -274,8 +310,9 @@ def _one_sandbox(code: str, cases: list[dict], limits: Limits, mechanism: str) -
             stderr=subprocess.PIPE,
             env=ENV,
             start_new_session=True,
+            pass_fds=(spec["cpu"]["fd"],) if "cpu" in spec else (),
         )
-        limit_s = limits.time_s + limits.case_s + GRACE_S
+        limit_s = bound_s(limits)
         try:
             out, err = proc.communicate(message, timeout=limit_s)
         except subprocess.TimeoutExpired:
@@ -285,20 +322,37 @@ def _one_sandbox(code: str, cases: list[dict], limits: Limits, mechanism: str) -
             why = f"the sandbox ({mechanism}) did not finish within {limit_s:g} s"
             raise SandboxError(why) from None
     finally:
+        if "cpu" in spec:
+            os.close(spec["cpu"]["fd"])
         if group is not None:
             cgroups.release(group, enter)
         if setup["work"] is None:
             shutil.rmtree(work, ignore_errors=True)
-    return _outcomes(out, err, proc.returncode, len(cases), mechanism)
+    calls = ["fn_name" in case for case in cases]
+    return _outcomes(out, err, proc.returncode, calls, mechanism)
 
 
-def _outcomes(out: bytes, err: bytes, code: int, n: int, mechanism: str) -> list[dict]:
-    ready, running, outcomes = False, None, []
-    for line in out.decode("utf-8", "replace").splitlines():
+def _messages(out: bytes, mechanism: str) -> Iterator[tuple[dict, bytes]]:
+    """The harness's JSON lines, each with the raw output that follows an outcome."""
+    at = 0
+    while at < len(out):
+        end = out.find(b"\n", at)
+        end = len(out) if end < 0 else end
+        line, at = out[at:end], end + 1
         try:
             message = json.loads(line)
         except ValueError:
             raise SandboxError(f"the sandbox ({mechanism}) wrote {line[:100]!r}") from None
+        size = message.pop("bytes", 0) if isinstance(message, dict) else 0
+        yield message, out[at : at + size]
+        at += size
+
+
+def _outcomes(out: bytes, err: bytes, code: int, calls: list[bool], mechanism: str) -> list[dict]:
+    """One outcome per case the harness got through; `calls` says which cases are calls."""
+    ready, running, n = False, None, len(calls)
+    outcomes: list[dict] = []
+    for message, output in _messages(out, mechanism):
         if "fatal" in message:
             raise SandboxError(f"the sandbox ({mechanism}) could not start: {message['fatal']}")
         if "ready" in message:
@@ -306,6 +360,10 @@ def _outcomes(out: bytes, err: bytes, code: int, n: int, mechanism: str) -> list
         elif "start" in message:
             running = message["start"]
         else:
+            text = output.decode("utf-8", "replace")
+            message["stdout"] = "" if calls[len(outcomes)] else text
+            if calls[len(outcomes)] and text:
+                message["result"] = text
             outcomes.append(message)
             running = None
     if len(outcomes) == n:
