@@ -80,14 +80,19 @@ def test_each_micro_batched_caller_gets_its_own_sample_when_it_is_scored(slow_st
 
 
 def test_a_recorder_writes_the_last_record_of_a_burst_without_another(redis_client):
-    recorder = records.Recorder(redis_client, "b1", None)
+    recorder = records.Recorder(redis_client, "client1.b1", None)
+    inbox = keys.inbox("client1.b1")
     recorder.record(5, {"score": 0.5, "status": "ok"})
     recorder.record(7, {"score": 0.7, "status": "ok"})
-    # no flush() and no later record: the process's flusher writes them within FLUSH_EVERY_S
-    logged = wait_for(lambda: records.read_log(redis_client, "b1", 0), 5, "the record log")
-    assert sorted(logged) == [(5, {"score": 0.5, "status": "ok"}),
-                              (7, {"score": 0.7, "status": "ok"})]
-    assert records.read(redis_client, "b1", [5, 6, 7]) == {5: {"score": 0.5, "status": "ok"},
-                                                           7: {"score": 0.7, "status": "ok"}}
-    assert redis_client.ttl(keys.record_log("b1")) > 0
-    assert records.read_log(redis_client, "b1", len(logged)) == []
+    # no flush() and no later record: the process's flusher writes them within FLUSH_EVERY_S;
+    # the reader sleeps in Redis until they come (one entry: the flush)
+    after, (entry,) = records.read_inbox(redis_client, inbox, b"0-0", 5000)
+    assert entry.batch_id == "client1.b1" and entry.task_id is None
+    assert sorted(entry.records) == [(5, {"score": 0.5, "status": "ok"}),
+                                     (7, {"score": 0.7, "status": "ok"})]
+    assert records.read(redis_client, "client1.b1", [5, 6, 7]) == {
+        5: {"score": 0.5, "status": "ok"}, 7: {"score": 0.7, "status": "ok"}}
+    assert redis_client.ttl(inbox) > 0
+    # read from where it left off: nothing new (and what was read is trimmed away)
+    assert records.read_inbox(redis_client, inbox, after, 0) == (after, [])
+    assert redis_client.xlen(inbox) <= 1
