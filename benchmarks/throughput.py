@@ -48,7 +48,6 @@ from common import REDIS_URL, QrqWorker, flush_redis, percentile, write_config
 import qreward_queue
 from qreward_queue.demo import grpo_batch
 from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn, verdict
-from qreward_queue.trainer.client import POLL_INTERVAL_S
 
 LATENCY_MS = 20.0
 LATENCY_CV = 0.5
@@ -95,14 +94,8 @@ def run_qrq(app, workers, samples, want) -> dict:
     batch = qreward_queue.submit_batch(samples, route="judge", app=app)
     submitted = time.perf_counter()
     arrived: list[float | None] = [None] * len(samples)
-    waiting = list(range(len(samples)))
-    while not batch.done():  # polls as often as outcomes() does; looks only at what is missing
-        now, so_far = time.perf_counter(), batch.partial()
-        for i in waiting:
-            if so_far[i] is not None:
-                arrived[i] = now
-        waiting = [i for i in waiting if arrived[i] is None]
-        time.sleep(POLL_INTERVAL_S)
+    # each outcome's arrival, as the client's reader hands it over
+    batch.on_outcome(lambda i, _: arrived.__setitem__(i, time.perf_counter()))
     outcomes = batch.outcomes()
     wall = time.perf_counter() - started
     now = time.perf_counter()

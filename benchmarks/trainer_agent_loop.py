@@ -151,11 +151,14 @@ def _trainer(kind: str, config_path: str, rows: list[dict], barrier, queue, inde
                groups))
 
 
-def run_client(env: dict, client: str, rows: list[dict], processes: int) -> Run:
+def run_client(env: dict, client: str, rows: list[dict], processes: int, trainer=_trainer,
+               expected: list[float] | None = None) -> Run:
+    """`processes` spawned `trainer(client, config_path, rows, barrier, queue, index)`s score
+    `rows` between them; `expected`: the right scores (default: the judge's of `as_sample`)."""
     ctx = mp.get_context("spawn")
     barrier, queue = ctx.Barrier(processes + 1), ctx.Queue()
     share = math.ceil(len(rows) / processes)
-    procs = [ctx.Process(target=_trainer, args=(client, str(env["config_path"]),
+    procs = [ctx.Process(target=trainer, args=(client, str(env["config_path"]),
                                                rows[i * share:(i + 1) * share], barrier, queue, i))
              for i in range(processes)]
     for p in procs:
@@ -175,9 +178,10 @@ def run_client(env: dict, client: str, rows: list[dict], processes: int) -> Run:
     wall = max(r[2] for r in reports) - min(r[1] for r in reports)
     results = [SampleResult(*t) for r in reports for t in r[3]]
     stats = env["mock"].stats()
-    samples = [as_sample(r) for r in rows]
-    not_ok, wrong = score_results(results, expected_scores(env["config"], samples,
-                                                           [BACKEND] * len(samples)))
+    if expected is None:
+        samples = [as_sample(r) for r in rows]
+        expected = expected_scores(env["config"], samples, [BACKEND] * len(samples))
+    not_ok, wrong = score_results(results, expected)
     latencies = [r.latency_ms for r in results if r.ok and r.latency_ms]
     requests = stats["requests"]
     return Run(

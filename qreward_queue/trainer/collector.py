@@ -103,6 +103,12 @@ class Reader:
             self._thread.start()
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except RuntimeError:  # the interpreter is exiting: no new thread or future may start
+            pass
+
+    def _serve(self) -> None:
         while True:
             with self._cond:
                 chores, batches = self._wait()
@@ -120,10 +126,7 @@ class Reader:
                 if batch.due() <= now:
                     _safely(batch.tick)
             if self._read is None and time.monotonic() >= self._read_again:
-                try:
-                    self._start_read(batches)
-                except RuntimeError:  # the interpreter is exiting: no new thread may start
-                    return
+                self._start_read(batches)
 
     def _wait(self) -> tuple[list[Callable[[], Any]] | None, list[RewardBatch]]:
         """Under the lock: until a chore, the read's answer, a due batch or the time to read
