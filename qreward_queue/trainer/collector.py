@@ -103,10 +103,9 @@ class Reader:
             self._thread.start()
 
     def _run(self) -> None:
-        try:
+        # RuntimeError: the interpreter is exiting, no new thread or future may start
+        with contextlib.suppress(RuntimeError):
             self._serve()
-        except RuntimeError:  # the interpreter is exiting: no new thread or future may start
-            pass
 
     def _serve(self) -> None:
         while True:
