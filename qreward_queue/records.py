@@ -49,14 +49,25 @@ class Finished(NamedTuple):
     task_id: str | None  # a chunk task that ended (its result is stored)
 
 
-def read_inbox(store: redis.Redis, inbox: str, after: bytes, block_ms: int
-               ) -> tuple[bytes, list[Finished]]:
-    """The entries of `inbox` after id `after`, waiting in Redis up to `block_ms` for the first
-    (0: not at all); and the id to read after next. What was read before is trimmed in the
-    same round trip (only this process reads its inbox)."""
+def read_inbox(store: redis.Redis, inbox: str, after: bytes, block_ms: int,
+               in_process: bool = False) -> tuple[bytes, list[Finished]]:
+    """The entries of `inbox` after id `after`, waiting up to `block_ms` for the first (0: not
+    at all); and the id to read after next. What was read before is trimmed in the same round
+    trip (only this process reads its inbox). Redis is waited on in Redis (XREAD BLOCK); an
+    `in_process` store (embedded mode's, whose workers are threads of this process) on this
+    process's announcements, since its blocking read would wake at every write it gets."""
+    seen = _news.count
+    after, finished = _read(store, inbox, after, None if in_process else block_ms or None)
+    if finished or not in_process or not block_ms or not _news.wait_past(seen, block_ms):
+        return after, finished
+    return _read(store, inbox, after, None)
+
+
+def _read(store: redis.Redis, inbox: str, after: bytes, block_ms: int | None
+          ) -> tuple[bytes, list[Finished]]:
     with store.pipeline(transaction=False) as pipe:
         pipe.xtrim(inbox, minid=after, approximate=False)
-        pipe.xread({inbox: after}, count=None, block=block_ms or None)
+        pipe.xread({inbox: after}, count=None, block=block_ms)
         _, reply = pipe.execute()
     finished: list[Finished] = []
     for _, entries in reply or ():
@@ -67,6 +78,27 @@ def read_inbox(store: redis.Redis, inbox: str, after: bytes, block_ms: int
                                      if logged else [], task_id and task_id.decode()))
             after = entry_id
     return after, finished
+
+
+class _News:
+    """Announcements made by this process (counted), for a reader of an in-process store."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self.count = 0
+
+    def told(self) -> None:
+        with self._cond:
+            self.count += 1
+            self._cond.notify_all()
+
+    def wait_past(self, seen: int, ms: int) -> bool:
+        """Wait up to `ms` for an announcement after the `seen`-th; True if one came."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.count != seen, ms / 1000)
+
+
+_news = _News()
 
 
 def _announce(pipe: Any, batch_id: str, keep_s: int, **fields: str) -> None:
@@ -87,6 +119,7 @@ def _announce_end(task: Any = None, task_id: str | None = None, kwargs: dict | N
         with task.app.store.pipeline(transaction=False) as pipe:
             _announce(pipe, batch, _keep_s(kwargs.get("deadline")), end=task_id)  # type: ignore[union-attr]
             pipe.execute()
+        _news.told()
     except _REDIS_DOWN:  # the client's watchdog reads the result at its next look
         pass
 
@@ -137,6 +170,7 @@ class Recorder:
                 logged = ",".join(f"[{i},{outcome}]" for i, outcome in batch.items())
                 _announce(pipe, self.batch_id, self.keep_s, r=f"[{logged}]")
                 pipe.execute()
+            _news.told()
         except _REDIS_DOWN:  # the next record schedules the next try (or the task's last flush)
             with self._lock:
                 self._buffer = {**batch, **self._buffer}
@@ -178,8 +212,9 @@ _flusher = _Flusher()
 
 
 def _new_flusher() -> None:
-    global _flusher
+    global _flusher, _news
     _flusher = _Flusher()  # the parent's thread does not exist in a forked child
+    _news = _News()
 
 
 os.register_at_fork(after_in_child=_new_flusher)

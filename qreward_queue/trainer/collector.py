@@ -157,7 +157,8 @@ class Reader:
         block_ms = int(min(MAX_BLOCK_S, max(0.0, block_s)) * 1000)
         store, inbox, after = self.app.store, self.inbox, self._after
         self._read_since = now
-        self._read = self._inbox.submit(records.read_inbox, store, inbox, after, block_ms)
+        self._read = self._inbox.submit(records.read_inbox, store, inbox, after, block_ms,
+                                        self.app.qrq_config.embedded)
         self._read.add_done_callback(lambda _: self._notify())
 
     def _notify(self) -> None:
