@@ -103,9 +103,12 @@ class Reader:
             self._thread.start()
 
     def _run(self) -> None:
-        # RuntimeError: the interpreter is exiting, no new thread or future may start
-        with contextlib.suppress(RuntimeError):
+        try:
             self._serve()
+        except Exception:
+            if threading.main_thread().is_alive():
+                raise
+            # the interpreter is exiting: no new thread or future may start, nobody waits
 
     def _serve(self) -> None:
         while True:
@@ -197,6 +200,8 @@ def _safely(fn: Callable[[], Any]) -> None:
     try:
         fn()
     except Exception:
+        if not threading.main_thread().is_alive():
+            raise  # the interpreter is exiting (no new future may start): the reader ends
         log.exception("qrq: the client's reader met an error (it goes on)")
 
 
