@@ -105,10 +105,9 @@ class Reader:
     def _run(self) -> None:
         try:
             self._serve()
-        except Exception:
-            if threading.main_thread().is_alive():
-                raise
-            # the interpreter is exiting: no new thread or future may start, nobody waits
+        except RuntimeError as exc:
+            if not _exiting(exc):
+                raise  # the interpreter is exiting: nobody waits any more, the reader ends
 
     def _serve(self) -> None:
         while True:
@@ -127,7 +126,9 @@ class Reader:
             for batch in batches:
                 if batch.due() <= now:
                     _safely(batch.tick)
-            if self._read is None and time.monotonic() >= self._read_again:
+            mono = time.monotonic()
+            if self._read is None and mono >= self._read_again and (
+                    batches or mono - self._idle_since < IDLE_S):
                 self._start_read(batches)
 
     def _wait(self) -> tuple[list[Callable[[], Any]] | None, list[RewardBatch]]:
@@ -199,10 +200,15 @@ def _safely(fn: Callable[[], Any]) -> None:
     """A bug met for one batch must not stop the reader that every batch waits on."""
     try:
         fn()
-    except Exception:
-        if not threading.main_thread().is_alive():
-            raise  # the interpreter is exiting (no new future may start): the reader ends
+    except Exception as exc:
+        if _exiting(exc):
+            raise
         log.exception("qrq: the client's reader met an error (it goes on)")
+
+
+def _exiting(exc: BaseException) -> bool:
+    """The interpreter is exiting: concurrent.futures refuses new work from then on."""
+    return isinstance(exc, RuntimeError) and "after" in str(exc) and "shutdown" in str(exc)
 
 
 _readers: dict[int, Reader] = {}
