@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from support import Worker, expected, judge_backend, wait_for, write_config
@@ -58,6 +59,26 @@ def test_a_chunks_fast_samples_arrive_before_its_slow_one_and_stay_as_they_came(
     assert final[CHUNK] == early[CHUNK]
     for i, outcome in enumerate(final):
         assert (outcome.status, outcome.score) == ("ok", expected(app, "j", samples[i])), i
+
+
+def test_the_client_sleeps_in_redis_while_nothing_finishes(slow_stack, redis_client):
+    """No poll rounds: while only the slow sample is out, the process's one reader blocks in
+    Redis and reads again only for its liveness look (every 2 s), not every few ms."""
+    app = slow_stack
+    batch = qrq.submit_batch(one_chunk("quiet"), route="j", app=app)
+    wait_for(lambda: sum(o is not None for o in batch.partial()) == CHUNK - 1, 30,
+             "the fast samples' outcomes")
+    before = xreads(redis_client)
+    time.sleep(2.5)  # a window to count the reader's reads in (the hang lasts 4 s)
+    reads = xreads(redis_client) - before
+    assert not batch.done()
+    assert reads <= 4, reads  # 20 ms poll rounds would have made ~125 reads
+    assert batch.outcomes()[SLOW].status == "ok"
+
+
+def xreads(client) -> int:
+    """XREAD commands the Redis server has answered (this test's reader is the only one)."""
+    return client.info("commandstats").get("cmdstat_xread", {}).get("calls", 0)
 
 
 def test_each_micro_batched_caller_gets_its_own_sample_when_it_is_scored(slow_stack):
