@@ -65,7 +65,6 @@ SEMAPHORE = 64
 # concurrent calls (latency x target rate / workers, rounded up), default chunk tasks at once.
 POOL = {"type": "threads", "calls": 48}
 LIMITS = {"rpm": 600_000, "max_concurrent": 256}  # --limits: far from binding
-LOOK_S = 0.02  # how often the benchmark looks at a batch's outcomes so far
 
 
 def redis_work(client) -> tuple[int, float]:
@@ -114,14 +113,8 @@ def run_qrq(app, workers, samples, want) -> dict:
     batch = qreward_queue.submit_batch(samples, route="judge", app=app)
     submitted = time.perf_counter()
     arrived: list[float | None] = [None] * len(samples)
-    waiting = list(range(len(samples)))
-    while not batch.done():  # polls as often as outcomes() does; looks only at what is missing
-        now, so_far = time.perf_counter(), batch.partial()
-        for i in waiting:
-            if so_far[i] is not None:
-                arrived[i] = now
-        waiting = [i for i in waiting if arrived[i] is None]
-        time.sleep(LOOK_S)
+    # each outcome's arrival, as the client's reader hands it over
+    batch.on_outcome(lambda i, _: arrived.__setitem__(i, time.perf_counter()))
     outcomes = batch.outcomes()
     commands, redis_cpu = (b - a for a, b in zip(redis_before, redis_work(app.store),
                                                   strict=True))

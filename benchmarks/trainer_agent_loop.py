@@ -151,11 +151,14 @@ def _trainer(kind: str, config_path: str, rows: list[dict], barrier, queue, inde
                groups))
 
 
-def run_client(env: dict, client: str, rows: list[dict], processes: int) -> Run:
+def run_client(env: dict, client: str, rows: list[dict], processes: int, trainer=_trainer,
+               expected: list[float] | None = None) -> Run:
+    """`processes` spawned `trainer(client, config_path, rows, barrier, queue, index)`s score
+    `rows` between them; `expected`: the right scores (default: the judge's of `as_sample`)."""
     ctx = mp.get_context("spawn")
     barrier, queue = ctx.Barrier(processes + 1), ctx.Queue()
     share = math.ceil(len(rows) / processes)
-    procs = [ctx.Process(target=_trainer, args=(client, str(env["config_path"]),
+    procs = [ctx.Process(target=trainer, args=(client, str(env["config_path"]),
                                                rows[i * share:(i + 1) * share], barrier, queue, i))
              for i in range(processes)]
     for p in procs:
@@ -175,9 +178,10 @@ def run_client(env: dict, client: str, rows: list[dict], processes: int) -> Run:
     wall = max(r[2] for r in reports) - min(r[1] for r in reports)
     results = [SampleResult(*t) for r in reports for t in r[3]]
     stats = env["mock"].stats()
-    samples = [as_sample(r) for r in rows]
-    not_ok, wrong = score_results(results, expected_scores(env["config"], samples,
-                                                           [BACKEND] * len(samples)))
+    if expected is None:
+        samples = [as_sample(r) for r in rows]
+        expected = expected_scores(env["config"], samples, [BACKEND] * len(samples))
+    not_ok, wrong = score_results(results, expected)
     latencies = [r.latency_ms for r in results if r.ok and r.latency_ms]
     requests = stats["requests"]
     return Run(
@@ -236,8 +240,10 @@ def targets(runs: list[Run]) -> list[tuple[str, bool, str]]:
     out = []
     r = by.get("verl_adapter")
     if r is not None:
-        out += [("verl adapter throughput >= 95% of the limit", r.fraction_of_limit >= 0.95,
+        cpu = r.extra["client_cpu_ms_per_sample"]
+        out += [("verl adapter throughput >= 100% of the limit", r.fraction_of_limit >= 1.0,
                  f"{r.fraction_of_limit:.1%}"),
+                ("verl adapter client CPU <= 3 ms per sample", cpu <= 3.0, f"{cpu} ms"),
                 ("verl adapter 429s <= 1% of requests", r.pct_429 <= 1.0,
                  f"{r.server_429}/{r.server_requests} = {r.pct_429:.2f}%"),
                 ("verl adapter 0 wrong, 0 lost", r.wrong == 0 and r.extra["lost"] == 0,
@@ -245,8 +251,8 @@ def targets(runs: list[Run]) -> list[tuple[str, bool, str]]:
         light, judge = by.get("verl_light"), by.get("judge_light")
         if light is not None and judge is not None and light.p50_ms and judge.p50_ms:
             ratio = light.p50_ms / judge.p50_ms
-            out.append(("per-sample caller p50 <= 2x the judge's own p50 (judge not saturated)",
-                        ratio <= 2.0, f"{light.p50_ms:.0f} ms vs {judge.p50_ms:.0f} ms = "
+            out.append(("per-sample caller p50 <= 1.3x the judge's own p50 (not saturated)",
+                        ratio <= 1.3, f"{light.p50_ms:.0f} ms vs {judge.p50_ms:.0f} ms = "
                                       f"{ratio:.2f}x"))
         for other in ("submit_batch", "verl_rate_limited"):
             if other in by and by[other].ok_per_s > 0:

@@ -59,10 +59,11 @@ def records(batch_id: str) -> str:
     return f"{PREFIX}done:{batch_id}"
 
 
-def record_log(batch_id: str) -> str:
-    """List of a batch's finished samples in the order they were recorded (`[index, outcome]`
-    JSON), which the client reads from where it left off to hand each outcome over at once."""
-    return f"{PREFIX}donelog:{batch_id}"
+def inbox(batch_id: str) -> str:
+    """Stream of what finished for the client process that submitted `batch_id` (its batch
+    ids are `<client>.<batch>`): one entry per records flush and per chunk task that ended,
+    across all its batches, which its one reader blocks on (records.read_inbox)."""
+    return f"{PREFIX}inbox:{batch_id.split('.', 1)[0]}"
 
 
 DEAD_LETTERS = f"{PREFIX}dead-letters"  # malformed task messages, newest first, kept to inspect

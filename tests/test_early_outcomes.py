@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from support import Worker, expected, judge_backend, wait_for, write_config
@@ -60,6 +61,26 @@ def test_a_chunks_fast_samples_arrive_before_its_slow_one_and_stay_as_they_came(
         assert (outcome.status, outcome.score) == ("ok", expected(app, "j", samples[i])), i
 
 
+def test_the_client_sleeps_in_redis_while_nothing_finishes(slow_stack, redis_client):
+    """No poll rounds: while only the slow sample is out, the process's one reader blocks in
+    Redis and reads again only for its liveness look (every 2 s), not every few ms."""
+    app = slow_stack
+    batch = qrq.submit_batch(one_chunk("quiet"), route="j", app=app)
+    wait_for(lambda: sum(o is not None for o in batch.partial()) == CHUNK - 1, 30,
+             "the fast samples' outcomes")
+    before = xreads(redis_client)
+    time.sleep(2.5)  # a window to count the reader's reads in (the hang lasts 4 s)
+    reads = xreads(redis_client) - before
+    assert not batch.done()
+    assert reads <= 4, reads  # 20 ms poll rounds would have made ~125 reads
+    assert batch.outcomes()[SLOW].status == "ok"
+
+
+def xreads(client) -> int:
+    """XREAD commands the Redis server has answered (this test's reader is the only one)."""
+    return client.info("commandstats").get("cmdstat_xread", {}).get("calls", 0)
+
+
 def test_each_micro_batched_caller_gets_its_own_sample_when_it_is_scored(slow_stack):
     app = slow_stack
     batcher = MicroBatcher(max_items=CHUNK, max_wait_ms=50)  # the CHUNK samples: one batch
@@ -80,14 +101,19 @@ def test_each_micro_batched_caller_gets_its_own_sample_when_it_is_scored(slow_st
 
 
 def test_a_recorder_writes_the_last_record_of_a_burst_without_another(redis_client):
-    recorder = records.Recorder(redis_client, "b1", None)
+    recorder = records.Recorder(redis_client, "client1.b1", None)
+    inbox = keys.inbox("client1.b1")
     recorder.record(5, {"score": 0.5, "status": "ok"})
     recorder.record(7, {"score": 0.7, "status": "ok"})
-    # no flush() and no later record: the process's flusher writes them within FLUSH_EVERY_S
-    logged = wait_for(lambda: records.read_log(redis_client, "b1", 0), 5, "the record log")
-    assert sorted(logged) == [(5, {"score": 0.5, "status": "ok"}),
-                              (7, {"score": 0.7, "status": "ok"})]
-    assert records.read(redis_client, "b1", [5, 6, 7]) == {5: {"score": 0.5, "status": "ok"},
-                                                           7: {"score": 0.7, "status": "ok"}}
-    assert redis_client.ttl(keys.record_log("b1")) > 0
-    assert records.read_log(redis_client, "b1", len(logged)) == []
+    # no flush() and no later record: the process's flusher writes them within FLUSH_EVERY_S;
+    # the reader sleeps in Redis until they come (one entry: the flush)
+    after, (entry,) = records.read_inbox(redis_client, inbox, b"0-0", 5000)
+    assert entry.batch_id == "client1.b1" and entry.task_id is None
+    assert sorted(entry.records) == [(5, {"score": 0.5, "status": "ok"}),
+                                     (7, {"score": 0.7, "status": "ok"})]
+    assert records.read(redis_client, "client1.b1", [5, 6, 7]) == {
+        5: {"score": 0.5, "status": "ok"}, 7: {"score": 0.7, "status": "ok"}}
+    assert redis_client.ttl(inbox) > 0
+    # read from where it left off: nothing new (and what was read is trimmed away)
+    assert records.read_inbox(redis_client, inbox, after, 0) == (after, [])
+    assert redis_client.xlen(inbox) <= 1

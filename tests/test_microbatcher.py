@@ -116,7 +116,7 @@ def test_awaiting_many_batches_holds_no_thread_per_batch(exact_stack):
         return done, await batches[5]
 
     done, scores = asyncio.run(main())
-    assert peak[0] <= before + 1  # at most the one poller thread
+    assert peak[0] <= before + 1  # at most the one reader thread
     assert [o.score for o in done[-1]] == [exact_match(s) for s in batches[0].samples]
     assert all(o.status == "ok" for outcomes in done for o in outcomes)
     assert scores == [exact_match(s) for s in batches[5].samples]

@@ -23,8 +23,6 @@ log = logging.getLogger("qreward_queue")
 HEARTBEAT_S = 5  # a worker's heartbeat, and a running task's `qrq:held:` key, every 5 s
 HELD_TTL_S = 6 * 3600
 CONSUMERS_TTL_S = 24 * 3600  # the set outlives any pause in heartbeats; refreshed by each beat
-CHECK_EVERY_S = 2.0
-RECOVERY_GRACE_S = 6.0  # after an outage: a worker's heartbeat period (5 s) and a margin
 
 
 def beat(store: redis.Redis, node: str, queues: Iterable[str], ttl_s: float,
@@ -64,28 +62,25 @@ def live_workers(store: redis.Redis, queue: str) -> list[str]:
 class NoWorkerWatch:
     """Warns once per backend when a batch waits on a queue that no live worker consumes.
 
-    `check` is cheap to call at every poll: it looks at Redis every CHECK_EVERY_S and warns
-    after two looks in a row found nobody (so a worker that is just starting is not reported).
-    The batch keeps waiting: a worker may still come.
+    The client's watchdog calls `check` at each of its looks (every few seconds, never while
+    Redis's view of the workers is stale after an outage); it warns after two looks in a row
+    found nobody (so a worker that is just starting is not reported). The batch keeps
+    waiting: a worker may still come.
     """
 
     def __init__(self, app) -> None:
         self.app = app
         self.warned: set[str] = set()
         self._unserved: set[str] = set()
-        self._next = 0.0
 
-    def postpone(self) -> None:
-        """Redis was unreachable: its view of the workers is stale (heartbeats lapsed, or a
-        restart lost them), so judge only once every worker had time to beat again."""
+    def forget(self) -> None:
+        """Redis was unreachable: what the last look saw no longer counts."""
         self._unserved = set()
-        self._next = time.monotonic() + RECOVERY_GRACE_S
 
     def check(self, backends: Iterable[str]) -> None:
         config = self.app.qrq_config
-        if config.embedded or time.monotonic() < self._next:
+        if config.embedded:
             return
-        self._next = time.monotonic() + CHECK_EVERY_S
         unserved = set()
         with contextlib.suppress(redis.RedisError):  # Redis restarting: look again later
             unserved = {

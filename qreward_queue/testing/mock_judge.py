@@ -31,6 +31,8 @@ Endpoints:
                                -> an OpenAI chat.completion saying "... Score: 0.42"
     POST /v1/rewards           {"items": [{"prompt", "response"}, ...]} -> {"scores", "usage"}
     GET /stats, POST /stats/reset, GET /health
+    POST /hold {"answer": n}   answer n more calls, then hold every reply until POST /release
+                               (tests that must act while a batch is surely unfinished)
 
 /stats counts requests (every POST), accepted, rate_limited, errors, ... and the usage it
 billed in its 200 replies: prompt_tokens and completion_tokens (the truth spend is checked by).
@@ -353,6 +355,23 @@ class _Judge:
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._in_flight = 0
         self._peak = 0
+        self._gate = threading.Condition()
+        self._answers_left: int | None = None  # None: answer all; n: n more, then hold
+
+    def hold_after(self, answers: int | None) -> None:
+        """Answer `answers` more admitted calls, then hold every reply until
+        `hold_after(None)`: a test then knows its batch cannot finish before it says so."""
+        with self._gate:
+            self._answers_left = answers
+            self._gate.notify_all()
+
+    def wait_turn(self) -> None:
+        """An admitted call's turn to be answered (at once unless held)."""
+        with self._gate:
+            while self._answers_left == 0 and not self.stopping.is_set():
+                self._gate.wait()
+            if self._answers_left:
+                self._answers_left -= 1
 
     def count(self, name: str, amount: int = 1) -> None:
         with self._lock:
@@ -680,6 +699,12 @@ class _Handler(BaseHTTPRequestHandler):
             case "POST", "/stats/reset":
                 judge.reset()
                 self._send_json(200, judge.stats())
+            case "POST", "/hold":
+                judge.hold_after(int(json.loads(body or b"{}").get("answer", 0)))
+                self._send_json(200, judge.stats())
+            case "POST", "/release":
+                judge.hold_after(None)
+                self._send_json(200, judge.stats())
             case "GET", "/health":
                 self._send_json(200, {"ok": True})
             case _:
@@ -744,6 +769,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _answer(self, call: _Call, ticket: _Ticket) -> tuple[int, bytes]:
         """Sit out the simulated latency and faults of an admitted call, then build its reply."""
         judge = self.server.judge
+        judge.wait_turn()
         judge.pause(ticket.latency_s)
         if ticket.hang or "hang" in call.triggers:
             judge.count("hangs")
@@ -808,7 +834,15 @@ class MockJudge:
     def reset(self) -> None:
         self._server.judge.reset()
 
+    def hold(self, answer: int = 0) -> None:
+        """Answer `answer` more calls, then hold every reply until `release()`."""
+        self._server.judge.hold_after(answer)
+
+    def release(self) -> None:
+        self._server.judge.hold_after(None)
+
     def stop(self) -> None:
+        self.release()
         if self._thread is not None:
             self._server.shutdown()
             self._thread.join()
@@ -835,7 +869,17 @@ class MockJudgeProcess:
 
     def reset(self) -> None:
         """Zero the counters, e.g. between two runs against the same server."""
-        request = urllib.request.Request(f"{self.url}/stats/reset", data=b"", method="POST")
+        self._post("/stats/reset", b"")
+
+    def hold(self, answer: int = 0) -> None:
+        """Answer `answer` more calls, then hold every reply until `release()`."""
+        self._post("/hold", json.dumps({"answer": answer}).encode())
+
+    def release(self) -> None:
+        self._post("/release", b"")
+
+    def _post(self, path: str, body: bytes) -> None:
+        request = urllib.request.Request(f"{self.url}{path}", data=body, method="POST")
         urllib.request.urlopen(request, timeout=10).close()
 
     def kill(self) -> None:

@@ -4,11 +4,11 @@ verl, slime, AReaL and the gateway score one sample at a time from many coroutin
 submit_batch per sample would cost a Celery group and a result poll each; here calls queue up
 per (route, priority, deadline) and one flusher thread sends each queue as one batch when it
 holds `max_items` samples or its oldest sample has waited `max_wait_ms`. Outcomes come back
-through the process's aio poller, so callers on any event loop, or plain threads, hold no
-thread while they wait; each caller gets its outcome as soon as its own sample is scored, not
-when the whole batch is. Routes and priorities are never mixed in one batch. A batch that
-nobody waits for any more (its callers served or cancelled, one at least cancelled) is
-cancelled too; while one of them still waits, it goes on.
+through the process's one reader (collector.py), so callers on any event loop, or plain
+threads, hold no thread while they wait; each caller gets its outcome as soon as its own
+sample is scored, not when the whole batch is. Routes and priorities are never mixed in one
+batch. A batch that nobody waits for any more (its callers served or cancelled, one at least
+cancelled) is cancelled too; while one of them still waits, it goes on.
 
 On a route whose judges score whole groups (`mode = "group"`), a caller's sample is held
 until its group is complete, then the group joins the queue whole and no flush cuts it: its

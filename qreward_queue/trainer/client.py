@@ -3,13 +3,16 @@
 validate -> dedup -> cache lookup -> plan chunks over the route (weight x free capacity;
    a judge's groups whole: routing.units, cache.unit_keys; an ensemble route's samples as
    vote-samples on their judges: ensemble.Ballot)
--> group(score_chunk...) on per-backend priority queues
--> RewardBatch: poll results, put each outcome back at its input index(es) as its sample
-   finishes (the workers' record log) and as its chunk does (the task's result; an
-   ensemble's sample once its votes are in, aggregated), cache new
-   scores, resubmit work that will never come back, and honour the deadline
-   (while outstanding it holds a lease in Redis; cancel() or an interrupted wait ends it, and
-   workers then make no new call for the batch)
+-> RewardBatch, a facade over
+   Publisher (publisher.py): score_chunk tasks on per-backend priority queues, the lease held
+      while they are out (cancel() or an interrupted wait ends it, and workers then make no
+      new call for the batch)
+   the process's reader (collector.py): sleeps in Redis until workers announce finished
+      samples and ended tasks, and puts each outcome back at its input index(es) through
+      the batch's Placement (placement.py; an ensemble's sample once its votes are in)
+   Watchdog (watchdog.py): work that will never come back is sent again; a queue no worker
+      serves is said out loud
+   and caches new scores and honours the deadline
 """
 
 from __future__ import annotations
@@ -20,40 +23,30 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Generator, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any, Literal
 
 import kombu.exceptions
 import redis
 from celery.states import READY_STATES
 
-from .. import keys, lease, records, redis_conn, redis_wait
-from ..app import HEARTBEAT_S, REDIS_READ_TIMEOUT_S, QrqCelery
+from .. import lease, records, redis_conn, redis_wait
+from ..app import REDIS_READ_TIMEOUT_S, QrqCelery
 from ..cache import ScoreCache, record_cache, reward_identity, unit_keys
 from ..config import Config, Route
-from ..ensemble import Ballot
 from ..errors import Cancelled, DeadlineExceeded, InvalidSamples, RedisUnreachable, ScoringError
 from ..flow import spend
-from ..flow.capacity import QueuedSamples, queue_depth, route_shares
-from ..message import TASK_NAME, chunk_kwargs, summary
-from ..ops.liveness import NoWorkerWatch
+from ..flow.capacity import route_shares
 from ..priority import Priority
 from ..runtime import get_app, redis_problem
 from ..samples import Outcome, summarize, validate_samples
-from . import integrity
+from . import collector, integrity
+from .placement import Placement
+from .publisher import Publisher
 from .routing import Chunk, plan, plan_dealt, units
+from .watchdog import Watchdog
 
-POLL_INTERVAL_S = 0.02
-LIVENESS_CHECK_S = 2.0
 ABANDON_WAIT_S = 5.0  # Ctrl-C while submitting: how long the publish under way may end first
-QUICK_POLL_S = 0.05  # done()/completed wait no longer for Redis; the read goes on meanwhile
-# After Redis was away or lost its data, no task is judged lost until every worker's heartbeat
-# has had time to say again what it holds (a task still running is not bought twice).
-RECOVERY_GRACE_S = HEARTBEAT_S + LIVENESS_CHECK_S + 1.0
-
-
-# what one poll reads: the chunks' results, the record log's new entries, the chunks lost
-_Look = tuple[dict[str, dict[str, Any]], list[tuple[int, dict[str, Any]]], dict[str, Chunk]]
 
 
 class RewardBatch:
@@ -73,6 +66,10 @@ class RewardBatch:
     only when their whole chunk does. An outcome once handed over is never replaced: should a
     sample be scored twice (a chunk sent again while its first run still went on), the first
     outcome to arrive is the one the batch keeps, its cache entry included.
+
+    Inside, a facade: a Publisher sends the chunks and holds the lease, the process's reader
+    (collector.py) delivers what workers announce and places it through the batch's
+    Placement, and a Watchdog finds what no worker will announce (lost chunks, no worker).
 
     Example:
         >>> batch = submit_batch([{"prompt": "2+2?", "response": "4"}], route="math")
@@ -94,45 +91,37 @@ class RewardBatch:
     ):
         self.app, self.route, self.samples = app, route, samples
         self.priority, self.deadline, self.cache = priority, deadline, cache
-        self._copies = copies
-        self._cache_keys = cache_keys or {}  # a sample's key (cache.unit_keys), where cached
-        self._ballot: Ballot | None = None  # an ensemble route's votes (see `vote`)
-        self._work: Sequence[dict[str, Any]] = samples  # what the chunks' indices point at
-        self.batch_id = uuid.uuid4().hex
-        self._outcomes: list[Outcome | None] = [None] * len(samples)
-        self._listeners: list[Callable[[int, Outcome], None]] = []
-        self._log_read = 0  # entries of the batch's record log placed so far
+        self._reader = collector.reader(app)
+        self.batch_id = self._reader.new_batch_id()
+        self._placement = Placement(samples, copies, app.qrq_config.fallback_score,
+                                    cache_keys or {},
+                                    lambda outcome: integrity.on_injection(route, outcome))
         for i, outcome in enumerate(outcomes):
             if outcome is not None:
-                self._place(i, outcome)
+                self._placement.place(i, outcome)
+        self._publisher = Publisher(app, route, self.batch_id, priority, deadline)
+        self._watchdog = Watchdog(app, route, self._publisher)
+        self._lock = threading.RLock()  # the reader's thread and the caller's both place
         self._pending: dict[str, Chunk] = {}
-        self._result_keys: dict[str, Any] = {}  # task id -> its result's key (built once)
-        self._sentinel: str | None = None
-        self._next_liveness_check = time.monotonic() + LIVENESS_CHECK_S
-        self._unheld: set[str] = set()
-        self._quiet_until = 0.0  # no task is judged lost before (see RECOVERY_GRACE_S)
-        self._no_worker = NoWorkerWatch(app)
-        # the poll's read of Redis still in flight
-        self._look: Future[_Look] | None = None
-        self._look_since = time.time()  # and when it began
+        self._task_of: dict[int, str] = {}  # a position of the work -> the task scoring it
+        self._settled = threading.Event()  # nothing pending (cleared while chunks are out)
+        self._settled.set()
+        self._watchers: list[Future[list[Outcome]]] = []
         self._outage = redis_wait.Outage(redis_conn.describe(app.qrq_config))
         self.resubmitted = 0
         self._started = time.monotonic()
         self._finished: float | None = None
 
     def __len__(self) -> int:
-        return len(self._outcomes)
+        return len(self._placement.outcomes)
 
     @property
     def completed(self) -> int:
-        """Samples with an outcome so far (polls once, waiting at most QUICK_POLL_S)."""
-        self._poll(until=time.time() + QUICK_POLL_S)
-        return sum(o is not None for o in self._outcomes)
+        """Samples with an outcome so far (never blocks: the process's reader places them)."""
+        return sum(o is not None for o in self._placement.outcomes)
 
     def done(self) -> bool:
-        """True once every sample has an outcome (polls once, waiting at most QUICK_POLL_S
-        for Redis: the asyncio poller serves every batch of the process with it)."""
-        self._poll(until=time.time() + QUICK_POLL_S)
+        """True once every sample has an outcome (never blocks)."""
         return not self._pending
 
     def summary(self) -> dict[str, Any]:
@@ -144,56 +133,47 @@ class RewardBatch:
         end = self._finished or time.monotonic()
         spent: dict[str, dict[str, Any]] = {}
         with contextlib.suppress(redis.RedisError, OSError):  # Redis away: no spend to show
-            spent = self._within(None, lambda: spend.batch_spend(self.app.store, self.batch_id))
+            spent = self._within(lambda: spend.batch_spend(self.app.store, self.batch_id))
+        outcomes = self._placement.outcomes
         return {
-            **summarize([o for o in self._outcomes if o is not None]),
-            "samples": len(self._outcomes),
+            **summarize([o for o in outcomes if o is not None]),
+            "samples": len(outcomes),
             "wall_s": round(end - self._started, 3),
             "resubmitted_tasks": self.resubmitted,
             "spend": spent,
         }
 
     def partial(self) -> list[Outcome | None]:
-        """The outcomes so far, in input order (None: not yet); never polls or blocks."""
-        return list(self._outcomes)
+        """The outcomes so far, in input order (None: not yet); never blocks."""
+        return list(self._placement.outcomes)
 
     def on_outcome(self, callback: Callable[[int, Outcome], None]) -> None:
         """Call `callback(index, outcome)` for each outcome as it comes in, and at once for
-        those already in. It runs on the thread that polls the batch (any wait, `done()`, the
-        asyncio poller while the batch is awaited): keep it short."""
-        self._listeners.append(callback)
-        for i, outcome in enumerate(self._outcomes):
-            if outcome is not None:
-                callback(i, outcome)
+        those already in. It runs on the process's reader thread (or the thread that cancels
+        or expires the batch): keep it short."""
+        with self._lock:
+            self._placement.listeners.append(callback)
+            for i, outcome in enumerate(self._placement.outcomes):
+                if outcome is not None:
+                    callback(i, outcome)
 
     def outcomes(self, timeout: float | None = None) -> list[Outcome]:
         """Full outcome records in input order; see `get` for the waiting rules. A wait that
         is interrupted (KeyboardInterrupt, any exception) cancels the batch first."""
         stop = self.deadline if timeout is None else min(self.deadline, time.time() + timeout)
         try:
-            finished = self._wait(stop)
+            self._settled.wait(max(0.0, stop - time.time()))
+            if self._pending and time.time() >= self.deadline:
+                self._expire()  # the reader is late (a frozen Redis held it): the deadline holds
         except BaseException:
             self.cancel()
             raise
-        if not finished:
+        if self._pending:
             raise TimeoutError(
                 f"{len(self._pending)} task(s) unfinished after {timeout} s "
                 f"(the batch deadline is later; call get() again)"
             )
-        return list(self._outcomes)  # type: ignore[arg-type]
-
-    def _wait(self, stop: float) -> bool:
-        while True:
-            self._poll(until=stop)
-            if not self._pending:
-                self._finished = self._finished or time.monotonic()
-                return True
-            if time.time() >= self.deadline:
-                self._expire()
-                return True
-            if time.time() >= stop:
-                return False
-            time.sleep(POLL_INTERVAL_S)
+        return list(self._placement.outcomes)  # type: ignore[arg-type]
 
     def cancel(self) -> int:
         """Give up on what is not scored yet; returns how many samples that was.
@@ -202,29 +182,31 @@ class RewardBatch:
         second) and drop its queued chunks. Outcomes already in, including samples finished
         inside chunks still running, are kept; the rest come back `cancelled`.
         """
-        if not self._pending:
-            return 0
-        store, pending = self.app.store, [i for c in self._pending.values() for i in c.indices]
-        recorded: dict[int, dict[str, Any]] = {}
+        with self._lock:
+            if not self._pending:
+                return 0
+            pending = dict(self._pending)
+            positions = [p for c in pending.values() for p in c.indices]
 
-        def stop_and_read() -> dict[int, dict[str, Any]]:
-            lease.end(store, self.batch_id, lease.CANCELLED, self._keep_s())
-            self._collect(self._read_metas(dict(self._pending)))
-            return records.read(store, self.batch_id, pending)
+            def stop_and_read() -> tuple[dict[str, dict[str, Any]], dict[int, dict[str, Any]]]:
+                self._publisher.end(lease.CANCELLED)
+                metas = self._publisher.results(list(pending))
+                return metas, records.read(self.app.store, self.batch_id, positions)
 
-        with contextlib.suppress(redis.RedisError, OSError):  # Redis away: cancel all the same
-            recorded = self._within(None, stop_and_read)
-        why = Cancelled("cancelled by the caller before it was scored")
-        cancelled = 0
-        for chunk in self._pending.values():
-            for i in chunk.indices:
-                if i in recorded:
-                    self._arrive(i, Outcome.from_dict(recorded[i]))
+            metas, recorded = {}, {}
+            with contextlib.suppress(redis.RedisError, OSError):  # Redis away: cancel anyway
+                metas, recorded = self._within(stop_and_read)
+            self._ended(metas)
+            why = Cancelled("cancelled by the caller before it was scored")
+            cancelled = 0
+            for p in positions:
+                if p in recorded:
+                    self._placement.fill(p, Outcome.from_dict(recorded[p]))
                 else:
-                    cancelled += self._arrive(i, Outcome.failed(why))
-        self._pending.clear()
-        self._finished = time.monotonic()
-        return cancelled
+                    cancelled += self._placement.fill(p, Outcome.failed(why))
+            self._pending.clear()
+            self._finish()
+            return cancelled
 
     def __enter__(self) -> RewardBatch:
         return self
@@ -240,7 +222,7 @@ class RewardBatch:
     scores = get
 
     async def outcomes_async(self, timeout: float | None = None) -> list[Outcome]:
-        """`outcomes()` for asyncio: one process-wide poller thread serves every awaiter."""
+        """`outcomes()` for asyncio: the process's reader resolves every awaiter."""
         from . import aio
 
         return await aio.outcomes(self, timeout)
@@ -251,242 +233,163 @@ class RewardBatch:
 
         return scores().__await__()
 
+    def watch(self) -> Future[list[Outcome]]:
+        """A Future resolved with the outcomes once every one is in (or the batch's error);
+        cancel it to stop waiting. The batch is kept alive while watched."""
+        future: Future[list[Outcome]] = Future()
+        with self._lock:
+            if self._pending:
+                self._watchers.append(future)
+                self._reader.keep(self)
+                return future
+        future.set_result(list(self._placement.outcomes))  # type: ignore[arg-type]
+        return future
+
+    def unwatch(self, future: Future[list[Outcome]], cancel_if_last: bool) -> None:
+        """`future` waits no more; with `cancel_if_last`, nobody waiting any more cancels the
+        batch (on the reader's thread: the caller may be an event loop)."""
+        with self._lock:
+            if future not in self._watchers:
+                return
+            self._watchers.remove(future)
+            if cancel_if_last and not self._watchers and self._pending:
+                self._reader.soon(self.cancel)
+
     # -- sending -------------------------------------------------------------------------------
 
     def vote(self, todo: list[int]) -> list[Chunk]:
         """An ensemble route: the chunks of `todo`'s vote-samples, each on the backend that
         casts it (see ensemble.Ballot); their outcomes are aggregated as they come in."""
-        self._ballot = Ballot(self.route, todo, len(self.samples))
-        self._work = [*self.samples, *self._ballot.fan_out(self.samples)]
-        return plan_dealt(self.app.qrq_config, self._ballot.dealt())
+        return plan_dealt(self.app.qrq_config, self._placement.vote(self.route, todo))
 
     def send(self, chunks: list[Chunk]) -> None:
-        """Publish one score_chunk task per chunk, all in one batch of one producer, and
-        remember which indices each answers."""
+        """Publish one score_chunk task per chunk; the process's reader collects them."""
         if not chunks:
             return
-        config = self.app.qrq_config
         messages = {uuid.uuid4().hex: chunk for chunk in chunks}
-        self._result_keys.update((t, self.app.backend.get_key_for_task(t)) for t in messages)
-        self._pending.update(messages)  # unsent, they are found lost and sent again
-        if not config.embedded and not self._sentinel:  # the first send: the lease begins
-            self._sentinel = keys.batch_sentinel(self.batch_id)
-            lease.hold(self, self.app.store, self.batch_id, config.lease_s)
+        with self._lock:
+            self._settled.clear()
+            self._pending.update(messages)  # unsent, they are found lost and sent again
+            self._task_of.update((p, t) for t, c in messages.items() for p in c.indices)
+        self._reader.add(self)
+        placement = self._placement
+        self._within(lambda: self._publisher.send(self, messages, placement.work,
+                                                  placement.ballot is not None))
 
-        def publish() -> None:
-            expires = max(1.0, self.deadline - time.time())
-            # kombu's publish batch sends every message in one pipelined round trip on Redis
-            with self.app.producer_or_acquire() as producer, producer.batch():
-                for task_id, chunk in messages.items():
-                    samples = [self._work[i] for i in chunk.indices]
-                    # a vote stays with its judge: no sibling to fail over to
-                    route = [chunk.backend] if self._ballot else list(self.route.backends)
-                    self.app.send_task(
-                        TASK_NAME,
-                        kwargs=chunk_kwargs(chunk.backend, samples, route, self.deadline,
-                                            self.batch_id, list(chunk.indices)),
-                        task_id=task_id,
-                        producer=producer,
-                        queue=config.backend(chunk.backend).queue,
-                        priority=self.priority,
-                        expires=expires,
-                        **summary(chunk.backend, samples),
-                    )
-            QueuedSamples.of(self.app).published(chunks, config)  # the planner's view
-            if self._sentinel:
-                self._set_sentinel(self._sentinel)
+    # -- what the process's reader hands over (collector.Reader) -------------------------------
 
-        self._within(self.deadline, publish)
-
-    def _set_sentinel(self, sentinel: str) -> None:
-        """Redis losing its data (a restart without persistence) takes this key with it; the
-        lease is set first, so that no worker sees the sentinel without a live lease."""
-        ttl_ms = lease.key_ttl_ms(self.app.qrq_config.lease_s)
-        with self.app.store.pipeline(transaction=False) as pipe:  # nx: a cancel stays
-            pipe.set(keys.lease(self.batch_id), lease.LIVE, px=ttl_ms, nx=True)
-            pipe.set(sentinel, 1, px=int(self._keep_s() * 1000))
-            pipe.execute()
-
-    def _keep_s(self) -> float:
-        return max(1.0, self.deadline - time.time() + 60)
-
-    # -- collecting ----------------------------------------------------------------------------
-
-    def _poll(self, until: float | None = None) -> None:
-        """Read what came back, at most until `until` (default: the deadline) or one Redis
-        read timeout, whichever is first: a frozen Redis never holds the caller longer."""
+    def due(self) -> float:
+        """When the reader must wake for this batch: its deadline or its watchdog's look."""
         if not self._pending:
-            return
-        pending, wait_s = dict(self._pending), self._wait_s(until)
-        try:
-            if self.app.qrq_config.embedded:
-                metas, logged, lost = self._look_up(pending)
-            else:  # one read in flight at a time, however long Redis hangs
-                if self._look is None:
-                    self._look = redis_wait.submit(lambda: self._look_up(pending))
-                    self._look_since = time.time()
-                metas, logged, lost = redis_wait.result(self._look, wait_s)
-                self._look = None
-        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
-            if self._look is not None and self._look.done():
-                self._look = None  # it failed: the next poll reads afresh
-            # a read cut short by the deadline (not by Redis's silence) is no news of Redis
-            if wait_s >= 1.0 or not isinstance(exc, redis_wait.RedisWaitTimeout):
-                self._outage.noticed(exc, self.deadline, self._look_since)
-                self._no_worker.postpone()
-                self._quiet_until = time.monotonic() + RECOVERY_GRACE_S
-            return  # Redis is restarting or frozen: try again at the next poll, until the deadline
+            return float("inf")
+        return min(self.deadline, time.time() + self._watchdog.next_look - time.monotonic())
+
+    def arrived(self, logged: list[tuple[int, dict[str, Any]]], ended: list[str]) -> None:
+        """Outcomes recorded for positions of the work, and tasks that ended: a task whose
+        chunk has outcomes unrecorded (it gave up, or failed) has its result read."""
+        with self._lock:
+            cache = self.cache is not None
+            for position, data in logged:
+                self._placement.fill(position, Outcome.from_dict(data), cache)
+            unread = [t for t in ended if t in self._pending
+                      and not self._placement.filled(self._pending[t].indices)]
+            if unread:  # Redis away: the watchdog's next look reads them
+                with contextlib.suppress(redis.RedisError, OSError):
+                    self._ended(self._within(lambda: self._publisher.results(unread)))
+            self._settle({self._task_of.get(p) for p, _ in logged} | set(ended))
+
+    def tick(self) -> None:
+        """The deadline passed (what is missing times out), or the watchdog's look is due."""
+        with self._lock:
+            if not self._pending:
+                return
+            if time.time() >= self.deadline:
+                self._expire()
+                return
+            try:
+                metas, lost = self._within(lambda: self._watchdog.look(dict(self._pending)))
+            except (redis.RedisError, OSError) as exc:
+                self.outage(exc, time.time())
+                return
+            self._ended(metas)
+            self._settle(set(metas))
+            lost = {t: c for t, c in lost.items() if t in self._pending}
+            if lost and self._pending:
+                for task_id in lost:
+                    self._pending.pop(task_id)
+                self.resubmitted += len(lost)
+                with contextlib.suppress(redis.RedisError, kombu.exceptions.OperationalError,
+                                         OSError):
+                    self.send(list(lost.values()))
+
+    def outage(self, exc: BaseException, since: float) -> None:
+        """Redis did not answer a read that began at `since`."""
+        self._outage.noticed(exc, self.deadline, since)
+        self._watchdog.outage()
+
+    def reachable(self) -> None:
         self._outage.over()
-        self._collect(metas, until, logged)
-        if not self._pending:
-            self._done(until)
-        if lost and time.time() < self.deadline:
-            for task_id in lost:
-                self._pending.pop(task_id, None)
-            self.resubmitted += len(lost)
-            with contextlib.suppress(redis.RedisError, kombu.exceptions.OperationalError, OSError):
-                self.send(list(lost.values()))
 
-    def _collect(self, metas: dict[str, dict[str, Any]], until: float | None = None,
-                 logged: Sequence[tuple[int, dict[str, Any]]] = ()) -> None:
-        """Place the samples the workers recorded (`logged`: the log read from `_log_read` on)
-        and the outcomes of the chunks whose tasks ended (`metas`); cache the new scores."""
-        self._log_read += len(logged)
-        fresh: dict[str, Outcome] = {}
-        for i, data in logged:
-            self._arrive(i, Outcome.from_dict(data), fresh)
-        collected = [t for t, meta in metas.items()
-                     if meta["status"] in READY_STATES and t in self._pending]
-        for task_id in collected:
-            chunk = self._pending.pop(task_id)
-            # an ensemble's vote positions lie past the samples (its ballot counts each vote once)
-            placed = all(i < len(self._outcomes) and self._outcomes[i] is not None
-                         for i in chunk.indices)
-            if placed:
-                continue  # usual: every sample came through the log before its chunk ended
-            for i, outcome in zip(chunk.indices, _chunk_outcomes(chunk, metas[task_id]),
-                                  strict=True):
-                self._arrive(i, outcome, fresh)
-        cache = self.cache
+    # -- placing -------------------------------------------------------------------------------
+
+    def _ended(self, metas: dict[str, dict[str, Any]]) -> None:
+        """Place the outcomes of the pending chunks whose tasks ended (`metas`: their results);
+        positions already filled keep theirs."""
+        for task_id, meta in metas.items():
+            chunk = self._pending.get(task_id)
+            if chunk is None or meta["status"] not in READY_STATES:
+                continue
+            for p, outcome in zip(chunk.indices, _chunk_outcomes(chunk, meta), strict=True):
+                self._placement.fill(p, outcome, self.cache is not None)
+
+    def _settle(self, tasks: set[str | None]) -> None:
+        """Chunks of `tasks` with every position filled are done; new scores are cached; with
+        nothing pending any more, the batch is."""
+        for task_id in tasks:
+            chunk = self._pending.get(task_id or "")
+            if chunk is not None and self._placement.filled(chunk.indices):
+                del self._pending[task_id]  # type: ignore[arg-type]
+        fresh, cache = self._placement.take_fresh(), self.cache
         if cache and fresh:  # best effort: a Redis hiccup costs a cache entry, not a score
             with contextlib.suppress(redis.RedisError, OSError):
-                self._within(until, lambda: cache.put_many(fresh))
-        if collected:  # read once, never again: the expiry stays as the safety net
-            with contextlib.suppress(redis.RedisError, OSError):
-                self._within(until, lambda: self.app.backend.forget_many(collected))
-
-    def _arrive(self, i: int, outcome: Outcome, fresh: dict[str, Outcome] | None = None
-                ) -> bool:
-        """An outcome for position `i` of the work (a sample, or an ensemble's vote, which
-        places its sample once all its votes are in); a new real score goes into `fresh` (to
-        cache). True if a sample's outcome was placed."""
-        if i >= len(self.samples) and self._ballot is not None:
-            counted = self._ballot.cast(i, outcome)
-            if counted is None:
-                return False
-            i, outcome = counted
-        outcome = integrity.on_injection(self.route, outcome)
-        placed = self._place(i, outcome)
-        if placed and fresh is not None and self.cache and outcome.status == "ok":
-            fresh[self._cache_keys[i]] = outcome
-        return placed
-
-    def _done(self, until: float | None = None) -> None:
-        """Every outcome is in: workers may drop any copy of the batch's work still around."""
-        self._finished = self._finished or time.monotonic()
-        integrity.after_batch(self.app, self.route, self.samples, self._outcomes)
-        if self._sentinel:
-            with contextlib.suppress(redis.RedisError, OSError):
-                self._within(until, lambda: lease.end(
-                    self.app.store, self.batch_id, lease.DONE, self._keep_s()))
-
-    def _wait_s(self, until: float | None) -> float:
-        """How long one wait on Redis may last: a read timeout, never past `until`."""
-        until = self.deadline if until is None else min(until, self.deadline)
-        return min(REDIS_READ_TIMEOUT_S, until - time.time())
-
-    def _within(self, until: float | None, fn: Callable[[], Any]) -> Any:
-        """`fn()` (calls on Redis) waited for at most `_wait_s(until)` (embedded: in place)."""
-        if self.app.qrq_config.embedded:
-            return fn()
-        return redis_wait.within(self._wait_s(until), fn)
-
-    def _look_up(self, pending: dict[str, Chunk]) -> _Look:
-        """The chunks' results, the record log's new entries, the chunks lost. The log is read
-        first: a chunk whose result is in has its records in the log read with it."""
-        logged = records.read_log(self.app.store, self.batch_id, self._log_read)
-        metas = self._read_metas(pending)
-        lost = self._lost_chunks(metas, pending)
-        self._no_worker.check(c.backend for c in pending.values())
-        return metas, logged, lost
-
-    def _read_metas(self, pending: dict[str, Chunk]) -> dict[str, dict[str, Any]]:
-        backend = self.app.backend
-        keys = {self._result_keys[i]: i for i in pending}
-        values = backend.mget(list(keys))
-        if not isinstance(values, dict):  # Redis answers a list, the in-memory cache a dict
-            values = dict(zip(keys, values, strict=True))
-        return {keys[k]: backend.decode_result(v) for k, v in values.items() if v}
-
-    def _lost_chunks(
-        self, metas: dict[str, dict[str, Any]], pending: dict[str, Chunk]
-    ) -> dict[str, Chunk]:
-        """Tasks whose result will never come: all of them when Redis lost the batch's
-        sentinel; those held (running, or waiting out a retry) by a worker whose heartbeat
-        lapsed; and those nobody holds while every queue of the route is empty (a message
-        lost between a worker's pop and its bookkeeping, or a restart of Redis), seen so at
-        two checks in a row. Nothing is judged lost until the workers' heartbeats have had
-        time to say again what they hold after Redis was away or lost its data."""
-        if self.app.qrq_config.embedded or time.monotonic() < self._next_liveness_check:
-            return {}
-        self._next_liveness_check = time.monotonic() + LIVENESS_CHECK_S
-        store = self.app.store
-        if self._sentinel and not store.exists(self._sentinel):
-            self._set_sentinel(self._sentinel)
-            self._quiet_until = time.monotonic() + RECOVERY_GRACE_S
-        if time.monotonic() < self._quiet_until:
-            self._unheld = set()
-            return {}
-        waiting = [i for i in pending if i not in metas]
-        holders = dict(zip(waiting, store.mget([keys.held(i) for i in waiting]), strict=True))
-        hosts = sorted({h for h in holders.values() if h})
-        # redis-py types replies bytes | str; this client does not decode_responses: bytes
-        alive = dict(zip(hosts, store.mget([keys.alive(h.decode()) for h in hosts]),  # type: ignore[union-attr]
-                         strict=True))
-        lost = {i: pending[i] for i, h in holders.items() if h and not alive[h]}
-        unheld = {i for i, h in holders.items() if not h}
-        if unheld and not any(
-            queue_depth(store, self.app.backend_config(b).queue) for b in self.route.backends
-        ):
-            lost.update({i: pending[i] for i in unheld & self._unheld})
-            self._unheld = unheld
-        else:
-            self._unheld = set()
-        return lost
+                self._within(lambda: cache.put_many(fresh))
+        if not self._pending:
+            with contextlib.suppress(redis.RedisError, OSError):  # workers may drop leftovers
+                self._within(lambda: self._publisher.end(lease.DONE))
+            self._finish()
 
     def _expire(self) -> None:
-        for chunk in self._pending.values():
-            why = "no result by the batch deadline"
-            if chunk.backend in self._no_worker.warned:  # so the caller's summary says why
-                why += f": {self._no_worker.cause(chunk.backend)}"
-            for i in chunk.indices:
-                self._arrive(i, Outcome.failed(DeadlineExceeded(why)))  # where none came yet
-        self._pending.clear()
-        self._finished = time.monotonic()
-        lease.release(self.batch_id)  # no Redis write: it may be what made us late
+        with self._lock:
+            for chunk in self._pending.values():
+                why = "no result by the batch deadline"
+                no_worker = self._watchdog.no_worker
+                if chunk.backend in no_worker.warned:  # so the caller's summary says why
+                    why += f": {no_worker.cause(chunk.backend)}"
+                for p in chunk.indices:  # where none came yet
+                    self._placement.fill(p, Outcome.failed(DeadlineExceeded(why)))
+            self._pending.clear()
+            lease.release(self.batch_id)  # no Redis write: it may be what made us late
+            self._finish()
 
-    def _place(self, i: int, outcome: Outcome) -> bool:
-        """The one place an outcome gets its sample's id and, on failure, the fallback score;
-        identical samples scored once get a copy each. A sample keeps the first outcome placed
-        (what a trainer may already hold is never contradicted); True if this one was."""
-        if self._outcomes[i] is not None:
-            return False
-        fallback = self.app.qrq_config.fallback_score
-        for j in [i, *self._copies.get(i, ())]:
-            self._outcomes[j] = outcome.placed(_id(self.samples[j]), fallback)
-            for listener in self._listeners:
-                listener(j, self._outcomes[j])
-        return True
+    def _finish(self) -> None:
+        """Nothing is pending any more: waiters learn the outcomes; the reader forgets us."""
+        if self._finished is None:
+            integrity.after_batch(self.app, self.route, self.samples, self._placement.outcomes)
+        self._finished = self._finished or time.monotonic()
+        self._reader.drop(self.batch_id)
+        self._settled.set()
+        watchers, self._watchers = self._watchers, []
+        outcomes = list(self._placement.outcomes)
+        for future in watchers:
+            with contextlib.suppress(InvalidStateError):  # its waiter gave up meanwhile
+                future.set_result(outcomes)  # type: ignore[arg-type]
+
+    def _within(self, fn: Callable[[], Any]) -> Any:
+        """`fn()` (calls on Redis) waited for at most a read timeout, never past the deadline
+        (embedded: in place)."""
+        if self.app.qrq_config.embedded:
+            return fn()
+        return redis_wait.within(min(REDIS_READ_TIMEOUT_S, self.deadline - time.time()), fn)
 
 
 def _chunk_outcomes(chunk: Chunk, meta: dict[str, Any]) -> list[Outcome]:
@@ -614,10 +517,6 @@ def _whole_hits(hits: dict[str, Outcome], first: dict[str, int], whole: list[lis
             for i in unit:
                 hits.pop(key_of.get(i, ""), None)
     return hits
-
-
-def _id(sample: Any) -> Any:
-    return sample.get("id") if isinstance(sample, dict) else None
 
 
 def score(
