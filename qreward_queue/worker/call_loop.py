@@ -11,8 +11,8 @@ the limiter's round trips and waits are awaited on the same loop (`Limiter.*_asy
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
-import contextlib
 import os
 import threading
 from collections.abc import Coroutine
@@ -36,37 +36,38 @@ class Slots:
     def __init__(self, sizing: CallSizing):
         self.sizing = sizing
         self._used = 0
-        self._free = asyncio.Condition()
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
 
     async def take(self, wanted: int) -> int:
-        """Wait for one slot, then up to GATHER_S for more (up to `wanted`, or a quarter of
-        the slots), and take what is free: the grants of calls started together are booked
-        in one round trip, not one each."""
-        async with self._free:
-            await self._free.wait_for(lambda: self._used < self.sizing.size)
-        enough = min(wanted, max(1, self.sizing.size // 4))
-        if self.sizing.size - self._used < enough:
-            with contextlib.suppress(asyncio.TimeoutError):
-                async with self._free:
-                    await asyncio.wait_for(self._free.wait_for(
-                        lambda: self.sizing.size - self._used >= enough), GATHER_S)
+        """Wait for one slot; with fewer than `wanted` (or a quarter of the slots) free, wait
+        GATHER_S more; take what is free: the grants of calls started together are booked in
+        one round trip, not one each."""
+        while self._used >= self.sizing.size:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            await waiter
+        if self.sizing.size - self._used < min(wanted, max(1, self.sizing.size // 4)):
+            await asyncio.sleep(GATHER_S)
         taken = max(0, min(wanted, self.sizing.size - self._used))
         self._used += taken
         return taken or await self.take(wanted)
 
     def give(self, count: int = 1) -> None:
         self._used -= count
-        if count > 0:
-            asyncio.get_running_loop().create_task(self._wake())
+        self._wake()
 
     def observe(self, latency_s: float) -> None:
         """One call's latency: it may resize the slots."""
         if self.sizing.observe(latency_s):
-            asyncio.get_running_loop().create_task(self._wake())
+            self._wake()
 
-    async def _wake(self) -> None:
-        async with self._free:
-            self._free.notify_all()
+    def _wake(self) -> None:
+        free = self.sizing.size - self._used
+        while self._waiters and free > 0:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                free -= 1
 
 
 class CallLoop:

@@ -5,6 +5,7 @@ booked in bulk; what became of each sample (`ChunkResult`)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
 import time
 from collections import deque
@@ -284,22 +285,36 @@ class _Running:
 
     def __init__(self) -> None:
         self._calls: dict[asyncio.Future[None], tuple[list[int], float]] = {}
+        self._ended: list[asyncio.Future[None]] = []  # calls done, not looked at yet
+        self._news = asyncio.Event()
         self._latencies: list[float] = []
         self._unbounded = False
         self.left: list[list[int]] = []
         self.handoff_s = 0.0
 
     def start(self, positions: list[int], call: Coroutine[Any, Any, None]) -> None:
-        self._calls[asyncio.ensure_future(call)] = (positions, time.monotonic())
+        task = asyncio.ensure_future(call)
+        self._calls[task] = (positions, time.monotonic())
+        task.add_done_callback(self._end)
+
+    def _end(self, task: asyncio.Future[None]) -> None:
+        self._ended.append(task)
+        self._news.set()
 
     def unbounded(self) -> None:
         """A call goes on past its timeout (a 429's wait on a thread): none is handed off."""
         self._unbounded = True
 
     async def until_stragglers(self, calls: int, timeout_s: float) -> None:
+        few = max(1, int(STRAGGLER_SHARE * calls))
         while self._calls:
-            done, _ = await asyncio.wait(self._calls, timeout=STRAGGLER_CHECK_S,
-                                         return_when=asyncio.FIRST_COMPLETED)
+            if len(self._calls) - len(self._ended) > few:  # no straggler yet: wait for news
+                await self._news.wait()
+            else:  # few left: look again every STRAGGLER_CHECK_S
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._news.wait(), STRAGGLER_CHECK_S)
+            self._news.clear()
+            done, self._ended = self._ended, []
             now = time.monotonic()
             for task in done:
                 _, started = self._calls.pop(task)
