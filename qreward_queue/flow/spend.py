@@ -97,7 +97,8 @@ class Ledger:
     until a reply with `usage` says, then the most seen with a margin), plus every output
     token it may write. So a cap is passed by no more than the calls in flight when it is
     reached could still add beyond their bound, whatever the script of the text or whether
-    replies carry `usage` (a reply without it is counted at its bound, marked estimated).
+    replies carry `usage` (a reply without it is counted at one token a byte, marked
+    estimated: whatever order replies come in, the same call counts the same).
     """
 
     def __init__(self, store: redis.Redis, backend: Backend):
@@ -114,9 +115,11 @@ class Ledger:
         """Whether calls book their estimate first (`book`): only under a `[budget]`."""
         return self._book is not None
 
-    def bound(self, input_bytes: int, tokens_out: float) -> Usage:
-        """The most a call of `input_bytes` that may write `tokens_out` tokens can cost."""
-        ratio = min(1.0, self._tokens_per_byte * BOUND_MARGIN) if self._tokens_per_byte else 1.0
+    def bound(self, input_bytes: int, tokens_out: float, learned: bool = True) -> Usage:
+        """The most a call of `input_bytes` that may write `tokens_out` tokens can cost (with
+        `learned=False`: at one token a byte, whatever replies have shown)."""
+        ratio = min(1.0, self._tokens_per_byte * BOUND_MARGIN) \
+            if learned and self._tokens_per_byte else 1.0
         return Usage.estimate(input_bytes * ratio, tokens_out)
 
     def observe(self, input_bytes: int, tokens_in: int) -> None:

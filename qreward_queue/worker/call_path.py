@@ -209,13 +209,13 @@ class CallPath:
             usage = Usage(*call.usage)
             self.ledger.observe(self.client.input_bytes(batch), usage.tokens_in)
         elif replied and not self.client.runs_locally:  # a local call spends no tokens
-            usage = self._bound(batch)
+            usage = self._bound(batch, learned=False)
         else:
             usage = Usage(0, 0)
         self.ledger.spent(usage, booking, self.batch_id)
 
-    def _bound(self, batch: list[dict]) -> Usage:
+    def _bound(self, batch: list[dict], learned: bool = True) -> Usage:
         """The most the call can cost (`Ledger.bound`): booked, and counted when no usage came."""
         assert self.ledger is not None
         return self.ledger.bound(self.client.input_bytes(batch),
-                                 self.client.estimate_usage(batch)[1])
+                                 self.client.estimate_usage(batch)[1], learned)
