@@ -374,7 +374,8 @@ class RewardBatch:
     def _finish(self) -> None:
         """Nothing is pending any more: waiters learn the outcomes; the reader forgets us."""
         if self._finished is None:
-            integrity.after_batch(self.app, self.route, self.samples, self._placement.outcomes)
+            integrity.after_batch(self.app, self.route, self.samples, self._placement.outcomes,
+                                  submit_batch)
         self._finished = self._finished or time.monotonic()
         self._reader.drop(self.batch_id)
         self._settled.set()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +29,9 @@ _lock = threading.Lock()
 _auditors: ThreadPoolExecutor | None = None
 
 
+Submit = Callable[..., Any]  # the client's submit_batch (the client imports this module)
+
+
 def on_injection(route: Route, outcome: Outcome) -> Outcome:
     """`outcome` under the route's policy: with "zero" a flagged score becomes 0, its detail
     saying what the judge gave. ("min" acts in the ensemble's aggregate, "score" flags only.)"""
@@ -41,9 +44,10 @@ def on_injection(route: Route, outcome: Outcome) -> Outcome:
 
 
 def after_batch(app: QrqCelery, route: Route, samples: Sequence[dict[str, Any]],
-                outcomes: Sequence[Outcome | None]) -> None:
-    """Send the audit lane's share of the batch's `ok` outcomes to the audit route, on a
-    background thread: the batch has returned and never waits for it."""
+                outcomes: Sequence[Outcome | None], submit: Submit) -> None:
+    """Send the audit lane's share of the batch's `ok` outcomes to the audit route with
+    `submit` (the client's `submit_batch`), on a background thread: the batch has returned
+    and never waits for it."""
     lane = route.audit
     if lane is None:
         return
@@ -51,12 +55,11 @@ def after_batch(app: QrqCelery, route: Route, samples: Sequence[dict[str, Any]],
               if o is not None and o.status == "ok" and o.score is not None
               and audit.chosen(lane, s)]
     if picked:
-        _executor().submit(_audit, app, route, picked)
+        _executor().submit(_audit, app, route, picked, submit)
 
 
-def _audit(app: QrqCelery, route: Route, picked: list[tuple[dict[str, Any], float]]) -> None:
-    from .client import submit_batch  # the client imports this module
-
+def _audit(app: QrqCelery, route: Route, picked: list[tuple[dict[str, Any], float]],
+           submit_batch: Submit) -> None:
     lane = route.audit
     assert lane is not None
     try:
