@@ -57,7 +57,7 @@ class _Renewer:
 
     def hold(self, store: redis.Redis, batch_id: str, lease_s: float) -> None:
         ttl_ms = key_ttl_ms(lease_s)
-        store.set(keys.lease(batch_id), LIVE, px=ttl_ms)
+        store.set(keys.lease(batch_id), LIVE, px=ttl_ms, nx=True)  # nx: a cancel stays
         with self._lock:
             self._held[batch_id] = (store, ttl_ms)
             self._scripts.setdefault(id(store), store.register_script(_RENEW))
