@@ -13,10 +13,19 @@ import sys
 
 import pytest
 import redis
-from support import ROOT, judge_backend, start_workers, wait_for, write_config
+from support import ROOT, PrivateRedis, judge_backend, start_workers, wait_for, write_config
 
 from qreward_queue import keys
 from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn
+
+
+@pytest.fixture
+def redis_url(tmp_path):
+    """A Redis of the test's own: the moments below are keys appearing in Redis, and a
+    process another test left behind must not make one appear early in a shared database."""
+    server = PrivateRedis(tmp_path).start()
+    yield server.url
+    server.kill()
 
 SAMPLES = 60_000
 
