@@ -26,7 +26,7 @@ import redis
 from celery import signals
 from celery.states import READY_STATES
 
-from . import keys
+from . import flushing, keys
 from .message import TASK_NAME
 
 FLUSH_EVERY_S = 0.02
@@ -154,7 +154,7 @@ class Recorder:
             schedule, self._scheduled = not self._scheduled, True
             due = self._last + FLUSH_EVERY_S
         if schedule:
-            _flusher.flush_at(self, due)
+            flushing.flush_at(self, due)
 
     def flush(self) -> None:
         with self._lock:
@@ -176,45 +176,11 @@ class Recorder:
                 self._buffer = {**batch, **self._buffer}
 
 
-class _Flusher:
-    """The process's one thread that flushes each Recorder when its time comes."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._due: dict[Recorder, float] = {}
-        self._thread: threading.Thread | None = None
-
-    def flush_at(self, recorder: Recorder, when: float) -> None:
-        with self._cond:
-            self._due[recorder] = min(when, self._due.get(recorder, when))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="qrq-record-flusher",
-                                                daemon=True)
-                self._thread.start()
-            self._cond.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while True:
-                    now = time.monotonic()
-                    ready = [r for r, when in self._due.items() if when <= now]
-                    if ready:
-                        break
-                    self._cond.wait(min(self._due.values(), default=now + 60) - now)
-                for recorder in ready:
-                    del self._due[recorder]
-            for recorder in ready:
-                recorder.flush()
 
 
-_flusher = _Flusher()
+def _new_news() -> None:
+    global _news
+    _news = _News()  # the parent's waiters do not exist in a forked child
 
 
-def _new_flusher() -> None:
-    global _flusher, _news
-    _flusher = _Flusher()  # the parent's thread does not exist in a forked child
-    _news = _News()
-
-
-os.register_at_fork(after_in_child=_new_flusher)
+os.register_at_fork(after_in_child=_new_news)

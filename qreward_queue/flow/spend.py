@@ -20,7 +20,7 @@ from typing import Any
 
 import redis
 
-from .. import keys
+from .. import flushing, keys
 from ..config import Backend, Budget
 from ..errors import BudgetExceeded
 
@@ -109,6 +109,7 @@ class Ledger:
         self._tally: dict[tuple[int, str | None], list[int]] = {}  # (hour, batch) -> FIELDS
         self._held: dict[int, list[int]] = {}  # hour -> bookings to give back (tokens, cost)
         self._last = time.monotonic()
+        self._scheduled = False  # a flush is due on the flushing thread
 
     @property
     def has_budget(self) -> bool:
@@ -158,14 +159,16 @@ class Ledger:
                 held = self._held.setdefault(booking.hour, [0, 0])
                 held[0] += booking.tokens
                 held[1] += booking.cost_micro
-        if time.monotonic() - self._last >= FLUSH_EVERY_S:
-            self.flush()
+            schedule, self._scheduled = not self._scheduled, True
+            due = self._last + FLUSH_EVERY_S
+        if schedule:  # never on the caller's thread: it may be the worker's call loop
+            flushing.flush_at(self, due)
 
     def flush(self) -> None:
         """Write what was added (one round trip); kept for the next flush if Redis is away."""
         with self._lock:
             tally, held, self._tally, self._held = self._tally, self._held, {}, {}
-            self._last = time.monotonic()
+            self._last, self._scheduled = time.monotonic(), False
         if not tally and not held:
             return
         name = self.backend.name

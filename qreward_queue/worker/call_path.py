@@ -207,7 +207,8 @@ class CallPath:
             return
         if call is not None and call.usage is not None:
             usage = Usage(*call.usage)
-            self.ledger.observe(self.client.input_bytes(batch), usage.tokens_in)
+            if self.ledger.has_budget:  # what tokens a byte costs only bounds bookings
+                self.ledger.observe(self.client.input_bytes(batch), usage.tokens_in)
         elif replied and not self.client.runs_locally:  # a local call spends no tokens
             usage = self._bound(batch, learned=False)
         else:

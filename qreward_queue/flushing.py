@@ -1,0 +1,64 @@
+"""The process's one thread that writes buffered Redis work when it falls due.
+
+Per-call bookkeeping (a chunk's finished outcomes, a backend's spend) is buffered and written
+in one round trip a short while later; the write must never block the worker's call loop or
+a call's thread. Anything with a `flush()` method asks for one at a time (`flush_at`), and this
+thread calls it then.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Protocol
+
+
+class Flushable(Protocol):
+    def flush(self) -> None: ...
+
+
+class _Flusher:
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._due: dict[Flushable, float] = {}
+        self._thread: threading.Thread | None = None
+
+    def flush_at(self, target: Flushable, when: float) -> None:
+        with self._cond:
+            self._due[target] = min(when, self._due.get(target, when))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="qrq-flusher",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    now = time.monotonic()
+                    ready = [t for t, when in self._due.items() if when <= now]
+                    if ready:
+                        break
+                    self._cond.wait(min(self._due.values(), default=now + 60) - now)
+                for target in ready:
+                    del self._due[target]
+            for target in ready:
+                target.flush()
+
+
+_flusher = _Flusher()
+
+
+def flush_at(target: Flushable, when: float) -> None:
+    """Call `target.flush()` on the flushing thread at `when` (time.monotonic())."""
+    _flusher.flush_at(target, when)
+
+
+def _new_flusher() -> None:
+    global _flusher
+    _flusher = _Flusher()  # the parent's thread does not exist in a forked child
+
+
+os.register_at_fork(after_in_child=_new_flusher)
