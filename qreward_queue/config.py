@@ -111,6 +111,7 @@ def _retry(t: Table) -> Retry:
         jitter=t.get("jitter", bool, Retry.jitter),
         breaker_threshold=t.integer("breaker_threshold", Retry.breaker_threshold),
         breaker_cooldown_s=t.number("breaker_cooldown_s", Retry.breaker_cooldown_s),
+        hedge=t.get("hedge", bool, Retry.hedge),
     )
     t.finish()
     return retry

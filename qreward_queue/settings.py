@@ -101,6 +101,9 @@ class Retry:
     jitter: bool = True
     breaker_threshold: int = 5
     breaker_cooldown_s: float = 30.0
+    # a call on the call loop whose reply is far later than the backend's usual gets a second
+    # call (see CallPath); off under a [budget], which books one call per sample
+    hedge: bool = True
 
 
 @dataclass(frozen=True)

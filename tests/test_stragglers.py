@@ -25,6 +25,7 @@ def test_a_hung_call_holds_only_itself_and_nothing_is_called_twice(tmp_path, red
     judge = stack.enter_context(spawn(MockJudgeSettings(latency_ms=20, hang_s=HANG_S)))
     backend = judge_backend(judge.url, rpm=600_000, max_concurrent=64, concurrency=1, calls=32,
                             timeout_s=40)
+    backend["retry"]["hedge"] = False  # the hung call is waited for, not sent twice
     config_path = write_config(tmp_path, {"j": backend}, redis_url=redis_url)
     app = qreward_queue.configure(qreward_queue.load_config(config_path))
     (worker,) = start_workers(config_path, [("j", "straggler@test")])
@@ -52,3 +53,51 @@ def test_a_hung_call_holds_only_itself_and_nothing_is_called_twice(tmp_path, red
     wait_for(lambda: worker.log.read_text().count("succeeded in") == 2, 60,
              "the handed-off task to come back and settle")
     assert judge.stats()["requests"] == 64
+
+
+def test_a_call_far_slower_than_usual_gets_a_second_call_and_the_first_answer_wins(
+        tmp_path, redis_url, stack):
+    # Given a limited judge whose replies usually take 20 ms, a call timeout of 60 s, and two
+    # samples whose first request hangs for 60 s (a request judging the same text again answers)
+    judge = stack.enter_context(spawn(MockJudgeSettings(latency_ms=20, hang_s=60)))
+    backend = judge_backend(judge.url, rpm=600_000, max_concurrent=64, concurrency=2, calls=16,
+                            timeout_s=60)
+    config_path = write_config(tmp_path, {"j": backend}, redis_url=redis_url)
+    app = qreward_queue.configure(qreward_queue.load_config(config_path))
+    (worker,) = start_workers(config_path, [("j", "hedge@test")])
+    stack.callback(worker.kill)
+    warm = qreward_queue.submit_batch(samples_for(16, "warm"), route="j", app=app)
+    assert [o.status for o in warm.outcomes()] == ["ok"] * 16  # the worker knows what is usual
+    samples = [dict(s, response=s["response"] + (" [[mock:hang-once]]" if i in (3, 9) else ""))
+               for i, s in enumerate(samples_for(16, "hedged"))]
+    # When they are scored with a deadline far shorter than the call timeout
+    outcomes = qreward_queue.submit_batch(samples, route="j", app=app,
+                                          deadline_s=30).outcomes()
+    # Then every sample is scored: each hung call got a second call, whose answer won
+    assert [o.status for o in outcomes] == ["ok"] * 16, outcomes
+    assert [o.score for o in outcomes] == [expected(app, "j", s) for s in samples]
+    stats = judge.stats()
+    assert stats["hangs"] == 2
+    assert stats["requests"] == 16 + 16 + 2  # one second call per hung one, nothing else
+
+
+def test_no_second_call_when_the_backend_file_says_hedge_false(tmp_path, redis_url, stack):
+    # Given the same judge, its file saying `[retry] hedge = false`, and one sample whose first
+    # request hangs for 6 s (the call timeout is 60 s)
+    judge = stack.enter_context(spawn(MockJudgeSettings(latency_ms=20, hang_s=6)))
+    backend = judge_backend(judge.url, rpm=600_000, max_concurrent=64, concurrency=2, calls=16,
+                            timeout_s=60)
+    backend["retry"]["hedge"] = False
+    config_path = write_config(tmp_path, {"j": backend}, redis_url=redis_url)
+    app = qreward_queue.configure(qreward_queue.load_config(config_path))
+    (worker,) = start_workers(config_path, [("j", "nohedge@test")])
+    stack.callback(worker.kill)
+    assert all(o.status == "ok" for o in qreward_queue.submit_batch(
+        samples_for(16, "warm"), route="j", app=app).outcomes())
+    samples = samples_for(4, "one")
+    samples[1]["response"] += " [[mock:hang-once]]"
+    # When it is scored
+    outcomes = qreward_queue.submit_batch(samples, route="j", app=app).outcomes()
+    # Then the hung call is waited for and made once
+    assert [o.status for o in outcomes] == ["ok"] * 4, outcomes
+    assert judge.stats()["requests"] == 16 + 4

@@ -243,7 +243,11 @@ async def post_json_async(config: Backend, url: str, payload: dict) -> Reply:
     deadline = asyncio.get_running_loop().time() + config.timeout_s
     while True:
         conn, reused = await _take_connection(server, deadline)
-        outcome = await conn.exchange(request, deadline)
+        try:
+            outcome = await conn.exchange(request, deadline)
+        except asyncio.CancelledError:  # a hedge answered first: this exchange is abandoned
+            conn.close()
+            raise
         keep = partial(_idle.setdefault(server, []).append, conn)
         if (reply := _finished(config, server, conn, outcome, reused, keep)) is not None:
             return reply

@@ -63,7 +63,7 @@ class _WorkerMetrics:
             "qrq_limiter_wait_seconds", "Time a call waited for the global limiter", ["backend"],
             buckets=WAIT_BUCKETS, **reg)
         self.retries = Counter(
-            "qrq_retries", "Task retries by reason (backoff, limiter_busy, failover)",
+            "qrq_retries", "Retries by reason (backoff, limiter_busy, failover, hedge)",
             ["backend", "reason"], **reg)
         self.failovers = Counter(
             "qrq_failovers", "Work moved from a backend to a sibling", ["backend", "to"], **reg)

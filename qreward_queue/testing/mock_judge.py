@@ -58,6 +58,7 @@ Faults: error_rate and hang_rate are drawn per admitted request from the seeded 
 the judged text (chat: the last user message; rewards: any prompt or response), in this order:
     [[mock:400]]      400 invalid_request_error, checked before the rate limits (costs nothing)
     [[mock:hang]]     sleep hang_s first, then answer as below
+    [[mock:hang-once]]  the same, only for the first request that judges this text
     [[mock:500]]      500 server_error
     [[mock:badjson]]  200 whose body is not JSON
     [[mock:garbage]]  200 without a score: "I cannot decide." / {"scores": "nope"}
@@ -114,7 +115,8 @@ Json = dict[str, Any]
 
 GROUP_FAULTS = ("few", "extra", "dup", "order", "nan", "zero")
 GROUP_REPLIES = ("list", "object", "tagged")
-_TRIGGERS = ("400", "hang", "500", "badjson", "garbage", *(f"group-{f}" for f in GROUP_FAULTS))
+_TRIGGERS = ("400", "hang-once", "hang", "500", "badjson", "garbage",
+             *(f"group-{f}" for f in GROUP_FAULTS))
 _TRIGGER = re.compile(rf"\[\[mock:({'|'.join(_TRIGGERS)})\]\]")
 _RESPONSE_BLOCK = re.compile(r'<(response(?:-[0-9a-f]{16,32})?) id="(\d+)">\n(.*?)\n</\1>',
                              re.DOTALL)
@@ -328,6 +330,7 @@ class _Call:
     items: int
     reply: Callable[[], Json]
     usage: tuple[int, int] = (0, 0)  # prompt and completion tokens its reply reports
+    text: str = ""  # the judged text (a chat call's), for [[mock:hang-once]]
 
 
 @dataclass
@@ -348,6 +351,7 @@ class _Judge:
         self.settings = settings
         self.stopping = threading.Event()
         self._lock = threading.Lock()
+        self._hung_once: set[str] = set()
         self._rng = random.Random(settings.seed)
         now = time.monotonic()
         self._requests = _Bucket(settings.rpm, now) if settings.rpm > 0 else None
@@ -376,6 +380,13 @@ class _Judge:
     def count(self, name: str, amount: int = 1) -> None:
         with self._lock:
             self._counts[name] += amount
+
+    def first_time(self, text: str) -> bool:
+        """Whether no request has judged `text` before ([[mock:hang-once]])."""
+        with self._lock:
+            seen = text in self._hung_once
+            self._hung_once.add(text)
+            return not seen
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -537,7 +548,7 @@ def _parse_chat(body: bytes, settings: MockJudgeSettings) -> _Call:
 
     cost = prompt_tokens + (max_tokens or completion_tokens)
     return _Call(tokens=cost, triggers=triggers, items=items, reply=reply,
-                 usage=(prompt_tokens, completion_tokens))
+                 usage=(prompt_tokens, completion_tokens), text=judged)
 
 
 def _parse_rewards(body: bytes) -> _Call:
@@ -771,7 +782,8 @@ class _Handler(BaseHTTPRequestHandler):
         judge = self.server.judge
         judge.wait_turn()
         judge.pause(ticket.latency_s)
-        if ticket.hang or "hang" in call.triggers:
+        if ticket.hang or "hang" in call.triggers or (
+                "hang-once" in call.triggers and judge.first_time(call.text)):
             judge.count("hangs")
             judge.pause(judge.settings.hang_s)
         if ticket.error or "500" in call.triggers:

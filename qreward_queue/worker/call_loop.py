@@ -26,6 +26,11 @@ _T = TypeVar("_T")
 
 
 GATHER_S = 0.01
+# a call's reply this many times later than the backend's usual (and at least HEDGE_MIN_S)
+# is a straggler worth a second call (CallPath's hedge)
+HEDGE_FACTOR = 4.0
+HEDGE_MIN_S = 1.0
+LATENCY_WEIGHT = 0.05  # of each new reply's latency in the usual one (about the last 20)
 
 
 class Slots:
@@ -35,6 +40,7 @@ class Slots:
 
     def __init__(self, sizing: CallSizing):
         self.sizing = sizing
+        self.usual_s: float | None = None  # the backend's replies' latency, a running mean
         self._used = 0
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
 
@@ -57,9 +63,18 @@ class Slots:
         self._wake()
 
     def observe(self, latency_s: float) -> None:
-        """One call's latency: it may resize the slots."""
+        """One reply's latency: it may resize the slots."""
+        w = LATENCY_WEIGHT
+        self.usual_s = latency_s if self.usual_s is None else (1 - w) * self.usual_s + w * latency_s
         if self.sizing.observe(latency_s):
             self._wake()
+
+    def hedge_after_s(self) -> float | None:
+        """How long a call may wait for its reply before a second call is worth it (None:
+        no reply seen yet, so nothing is usual)."""
+        if self.usual_s is None:
+            return None
+        return max(HEDGE_MIN_S, HEDGE_FACTOR * self.usual_s)
 
     def _wake(self) -> None:
         free = self.sizing.size - self._used

@@ -10,11 +10,13 @@ transport  the backend client's call (HTTP or a function; the client parses the 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
-from ..backends import Call, make_backend
+from ..backends import BackendClient, Call, make_backend
 from ..config import Backend
 from ..errors import (
     BudgetExceeded,
@@ -31,6 +33,7 @@ from ..flow.spend import Booking, Ledger, Usage
 from ..ops import metrics
 
 MAX_LIMITER_WAIT_S = 30.0
+HEDGE_LIMITER_WAIT_S = 1.0  # a hedge that cannot start this soon is not worth it
 NO_FEEDBACK = Feedback()
 
 
@@ -57,6 +60,8 @@ class CallPath:
         self.ledger, self.batch_id = ledger, batch_id
         self.client = make_backend(config)  # one per backend per process: shared connections
         self.observe: Callable[[float], None] | None = None
+        # on the call loop: how long a reply may take before a hedge (None: never)
+        self.hedge_after_s: Callable[[], float | None] | None = None
         self.over_budget = False
 
     def call(self, batch: list[dict], grant: Grant | None = None) -> Call:
@@ -93,19 +98,73 @@ class CallPath:
             booking = self._clearance(batch, grant)
         started = time.monotonic()
         try:
-            result: Call | ScoringError = await self.client.call_async(batch)
-        except ScoringError as exc:
-            result = exc
+            result, hedged = await self._answered(batch, booking)
         except BaseException:
             self._no_reply(batch, grant, booking)
             raise
         feedback = self._replied(batch, booking, result, started)
+        if hedged:  # the hedge's own grant learnt its reply; this one only goes back
+            feedback = NO_FEEDBACK
         reading = Reading()
         if grant is not None:
             reading = await grant.learn_async(feedback)
         elif self.limiter is not None:
             reading = await self.limiter.learn_async(feedback)
         return self._concluded(result, reading)
+
+    # -- hedge -----------------------------------------------------------------------------
+
+    async def _answered(self, batch: list[dict], booking: Booking | None
+                        ) -> tuple[Call | ScoringError, bool]:
+        """The transport's answer, and whether a hedge gave it. A call whose reply is far later
+        than the backend's usual (`hedge_after_s`) gets a second call of the same samples and
+        the first good answer wins, the other is abandoned: a connection that hangs costs
+        one more call, not the whole `timeout_s` that every sample of the batch waits for."""
+        answers: list[asyncio.Future[Any]] = [  # Call | ScoringError | None (no hedge)
+            asyncio.ensure_future(_answer(self.client, batch))]
+        try:
+            after = self.hedge_after_s() if self.hedge_after_s and self._may_hedge(booking) \
+                else None
+            if after is not None:
+                done, _ = await asyncio.wait(answers, timeout=after)
+                if not done:
+                    answers.append(asyncio.ensure_future(self._hedge(batch)))
+            result, by = await _first_good(answers)
+            return result, by > 0
+        finally:
+            for answer in answers:  # the slower one is abandoned (its connection closed)
+                answer.cancel()
+
+    def _may_hedge(self, booking: Booking | None) -> bool:
+        """A budget books one call per sample, a local call has no connection to hang."""
+        return (self.config.retry.hedge and booking is None and not self.client.runs_locally
+                and (self.ledger is None or not self.ledger.has_budget))
+
+    async def _hedge(self, batch: list[dict]) -> Call | ScoringError | None:
+        """The second call: its own grant (None when the limiter cannot start it soon, or
+        nobody waits for the batch any more), its reply learnt by the limiter."""
+        grant = None
+        if self.limiter is not None:
+            try:
+                (grant,) = await self.limiter.reserve_async(
+                    1, self.client.estimate_tokens(batch), HEDGE_LIMITER_WAIT_S)
+            except LimiterBusy:
+                return None
+        try:
+            if grant is not None:
+                await grant.wait_async()
+            if self.stop():
+                result = None
+            else:
+                metrics.record_retry(self.config.name, "hedge")
+                result = await _answer(self.client, batch)
+        except BaseException:  # the first call answered: this one is abandoned
+            if grant is not None:
+                await grant.learn_async(NO_FEEDBACK)
+            raise
+        if grant is not None:
+            await grant.learn_async(NO_FEEDBACK if result is None else self.client.feedback(result))
+        return result
 
     # -- breaker ---------------------------------------------------------------------------
 
@@ -220,3 +279,24 @@ class CallPath:
         assert self.ledger is not None
         return self.ledger.bound(self.client.input_bytes(batch),
                                  self.client.estimate_usage(batch)[1], learned)
+
+
+async def _answer(client: BackendClient, batch: list[dict]) -> Call | ScoringError:
+    """The client's call on the loop, its ScoringError returned."""
+    try:
+        return await client.call_async(batch)
+    except ScoringError as exc:
+        return exc
+
+
+async def _first_good(answers: list[asyncio.Future[Any]]) -> tuple[Call | ScoringError, int]:
+    """The first Call among `answers` and its index; with none, the first one's error."""
+    pending = set(answers)
+    while pending:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        for answer in done:
+            if isinstance(result := answer.result(), Call):
+                return result, answers.index(answer)
+    first = answers[0].result()
+    assert first is not None  # only a hedge answers None
+    return first, 0

@@ -152,7 +152,7 @@ class ChunkRunner:
         Retry-After) or be split goes on on a thread of its own. Returns once every call has
         ended or only stragglers are left (`_stragglers`)."""
         slots = call_loop().slots(self.config)
-        self.path.observe = slots.observe
+        self.path.observe, self.path.hedge_after_s = slots.observe, slots.hedge_after_s
         todo, running = deque(calls), _Running()
         while todo and not self._halted() and not self.stop():
             count = await slots.take(len(todo))
