@@ -177,3 +177,12 @@ def test_environment_table_names_every_variable_the_package_reads():
 
 # read by code but not a setting of qrq's: the OS's (PATH, HOME), a child's environment
 IGNORED_ENV = {"PATH", "HOME", "PYTHONPATH", "HTTP_AUTHORIZATION", "QRQ_"}
+
+
+def test_no_page_shows_markdown_it_did_not_render(site):
+    """A fence or a list item Python-Markdown could not place (GitHub's renderer is looser)
+    shows up as its source: ``` or a `- ` line inside a paragraph."""
+    for page in sorted(site.rglob("*.html")):
+        text = re.sub(r"<pre.*?</pre>", "", page.read_text(), flags=re.S)
+        assert "```" not in text, page
+        assert not re.search(r"<p>(?:[^<]|<(?!/p>))*\n- <", text), page
