@@ -418,3 +418,17 @@ def test_demo_shows_progress_while_the_naive_loop_runs(monkeypatch, tmp_path):
     assert len(scores) == 16
     for done in range(1, 17):  # drawn after each sample, while the loop runs
         assert any(f.startswith("naive loop:") and f" {done}/16 " in f for f in frames), done
+
+
+def test_package_metadata_matches_its_license_file_and_needs_no_http_client():
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    head = " ".join((ROOT / "LICENSE").read_text().split()[:5])
+    assert project["license"] == "Apache-2.0" and project["license-files"] == ["LICENSE"]
+    assert head == "Apache License Version 2.0, January"
+    assert "Programming Language :: Python :: 3.10" in project["classifiers"]
+    assert project["requires-python"] == ">=3.10"
+    # the demo's clients are the standard library's: `requests` only where a command needs it
+    assert not [d for d in project["dependencies"] if d.startswith("requests")]
+    assert any(d.startswith("requests") for d in project["optional-dependencies"]["metrics"])
