@@ -1,10 +1,11 @@
-"""README's sample outputs, produced by real runs of qrq.
+"""The sample outputs of README.md and the docs pages, produced by real runs of qrq.
 
     python docs/readme_samples.py --check [NAME ...]   # each marked block against a fresh run
-    python docs/readme_samples.py --write [NAME ...]   # put the fresh output into README.md
+    python docs/readme_samples.py --write [NAME ...]   # put the fresh output into its page
     python docs/readme_samples.py --list
 
-A block of README.md is marked by `<!-- sample: NAME -->` on the line before its fence. Most
+A block of README.md or of a page under docs/ is marked by `<!-- sample: NAME -->` on the line
+before its fence (each name once in all of them). Most
 samples are cheap (a second or two, a few need Redis: --redis-url, default $QRQ_SAMPLES_REDIS_URL
 else redis://127.0.0.1:6379/15, flushed) and compared exactly, after the machine's own paths
 are replaced by the ones README shows. `demo` takes a minute and its figures differ run to run:
@@ -31,7 +32,9 @@ import redis
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-MARK = re.compile(r"<!-- sample: ([\w-]+) -->\n```[^\n]*\n(.*?)```", re.S)
+PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]  # where samples are shown
+# the marker, then the fenced block (indented as a whole inside a list item, as README's are)
+MARK = re.compile(r"<!-- sample: ([\w-]+) -->\n( *)```[^\n]*\n(.*?)\2```", re.S)
 CLOSED_URL = "redis://:pw@127.0.0.1:6390/0"  # nothing may listen on 6390 (checked)
 SHOWN_REDIS = "redis://127.0.0.1:6379"  # README's Redis; --redis-url's server is shown as it
 
@@ -194,6 +197,14 @@ def group_judging(_: str) -> str:
     return shown("python group.py", run)
 
 
+def init(_: str) -> str:
+    """README's `qrq init` for an API judge, in an empty directory."""
+    with tempfile.TemporaryDirectory(prefix="qrq-readme-") as tmp:
+        run = qrq("init", "--judge-url", "https://api.openai.com/v1", "--model", "gpt-4o-mini",
+                  "--api-key-env", "OPENAI_API_KEY", "--rpm", "500", cwd=Path(tmp))
+    return run.stdout + run.stderr
+
+
 def demo(_: str) -> str:
     with tempfile.TemporaryDirectory(prefix="qrq-readme-") as tmp:
         run = qrq("demo", cwd=Path(tmp), timeout=600)
@@ -210,7 +221,7 @@ SAMPLES: dict[str, Callable[[str], str]] = {
     "plan": plan, "redis-errors": redis_errors, "missing-extra": missing_extra,
     "api-key": api_key, "config-errors": config_errors, "config-not-found": config_not_found,
     "score-without-judges": score_without_judges, "no-worker": no_worker, "status": status,
-    "group-judging": group_judging, "demo": demo,
+    "group-judging": group_judging, "init": init, "demo": demo,
 }
 SLOW = {"demo"}
 
@@ -223,34 +234,50 @@ def as_shown(text: str) -> str:
 
 
 def normalize(name: str, text: str) -> str:
-    """What a sample must match: as shown, with the digits masked for the demo, whose figures
+    """What a sample must match: as shown, with the figures masked for the demo, whose figures
     vary run to run."""
     text = as_shown(text)
-    return re.sub(r"\d+(\.\d+)?", "N", text) if name in SLOW else text
+    if name not in SLOW:
+        return text
+    # figures masked, and the table's padding, which follows their widths
+    return re.sub(r" +", " ", re.sub(r"\d+(\.\d+)?", "N", text))
 
 
-def blocks(readme: str) -> dict[str, str]:
-    return {m.group(1): m.group(2) for m in MARK.finditer(readme)}
+def blocks(text: str) -> dict[str, str]:
+    """Each marked block of a page, by name, without the indentation of a list item."""
+    return {m.group(1): re.sub(rf"(?m)^{m.group(2)}", "", m.group(3))
+            for m in MARK.finditer(text)}
+
+
+def page_of(name: str) -> Path | None:
+    """The page (README.md or a docs page) that shows sample `name`."""
+    return next((page for page in PAGES if name in blocks(page.read_text())), None)
 
 
 def check(name: str, redis_url: str) -> str | None:
-    """None when README's block `name` matches a fresh run, else what differs."""
-    shown_text = blocks(README.read_text()).get(name)
-    if shown_text is None:
-        return f"README.md has no block marked <!-- sample: {name} -->"
+    """None when the block `name` matches a fresh run, else what differs."""
+    page = page_of(name)
+    if page is None:
+        return f"no page has a block marked <!-- sample: {name} -->"
+    shown_text = blocks(page.read_text())[name]
     fresh = SAMPLES[name](redis_url)
     if normalize(name, fresh) == normalize(name, shown_text):
         return None
-    return f"README.md's sample {name!r} differs from a fresh run:\n--- README\n{shown_text}" \
+    where = page.relative_to(ROOT)
+    return f"{where}'s sample {name!r} differs from a fresh run:\n--- {where}\n{shown_text}" \
            f"--- fresh run\n{fresh}"
 
 
 def write(name: str, redis_url: str) -> None:
+    page = page_of(name)
+    if page is None:
+        raise SystemExit(f"no page has a block marked <!-- sample: {name} -->")
     fresh = as_shown(SAMPLES[name](redis_url))
-    readme = README.read_text()
-    match = {m.group(1): m for m in MARK.finditer(readme)}[name]
-    start, end = match.span(2)
-    README.write_text(readme[:start] + fresh + readme[end:])
+    text = page.read_text()
+    match = {m.group(1): m for m in MARK.finditer(text)}[name]
+    indent = match.group(2)
+    start, end = match.span(3)
+    page.write_text(text[:start] + re.sub(r"(?m)^(?=.)", indent, fresh) + text[end:])
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""qrq: demo, score, worker, status, plan, exporter, gateway, dead-letters,
+"""qrq: init, demo, score, worker, status, plan, exporter, gateway, audit, dead-letters,
 mock-judge. One-line errors.
 
 Exit status: 0 success; 2 nothing could run (usage, configuration, Redis unreachable); for
@@ -100,6 +100,34 @@ config_option = click.option(
 
 
 @cli.command()
+@click.option("--judge-url", required=True, prompt="Judge base URL (OpenAI-compatible, e.g. "
+              "http://127.0.0.1:8000/v1)", help="The judge's OpenAI-compatible base URL.")
+@click.option("--model", required=True, prompt="Model name the judge serves",
+              help="The model name sent in each request.")
+@click.option("--name", default="judge", show_default=True,
+              help="The backend's (and the route's) name.")
+@click.option("--api-key-env", metavar="VAR",
+              help="The NAME of the environment variable holding the judge's API key.")
+@click.option("--rpm", type=click.FloatRange(min=0, min_open=True),
+              help="The judge's requests per minute.")
+@click.option("--max-concurrent", type=click.IntRange(1), help="The judge's calls at once.")
+@click.option("--dir", "directory", type=click.Path(file_okay=False, path_type=Path),
+              default=Path("."), show_default=True, help="Where to write the files.")
+def init(judge_url: str, model: str, name: str, api_key_env: str | None, rpm: float | None,
+         max_concurrent: int | None, directory: Path) -> None:
+    """Write a commented qrq.toml and workers/NAME.toml for your own judge (never over a file
+    that exists)."""
+    from .init_config import JudgeSpec, write_starter
+
+    spec = JudgeSpec(judge_url, model, name, api_key_env, rpm, max_concurrent)
+    for path in write_starter(spec, directory):
+        click.echo(f"wrote {path}")
+    click.echo(f"next: qrq score IN.jsonl -o OUT.jsonl --config {directory / 'qrq.toml'} "
+               f"(embedded), or with QRQ_REDIS_URL set: qrq worker "
+               f"{directory / 'workers' / f'{name}.toml'}")
+
+
+@cli.command()
 @config_option
 @click.option("--route", help="Route to score on (default: the config's default route).")
 @click.option(
@@ -159,6 +187,7 @@ def score(input_file, output, route, priority, deadline_s, config_path) -> None:
     lines: list[int] = []
     unreadable: dict[int, str] = {}
     batch = None
+    bar = None
     interrupted = False
     try:
         try:  # Ctrl-C anywhere in here: what was published is cancelled, every line written
@@ -167,23 +196,37 @@ def score(input_file, output, route, priority, deadline_s, config_path) -> None:
             read_jsonl(input_file, samples, lines, unreadable)
             batch = submit_batch(samples, route, priority, deadline_s, on_invalid="outcome",
                                  app=app)  # interrupted inside, it cancels what it published
-            with tqdm(total=len(batch), unit="sample", file=sys.stderr, disable=None) as bar:
-                while not batch.done() and time.time() < batch.deadline:
-                    bar.update(batch.completed - bar.n)
-                    time.sleep(0.2)
+            bar = tqdm(total=len(batch), unit="sample", file=sys.stderr, disable=None)
+            while not batch.done() and time.time() < batch.deadline:
+                bar.update(batch.completed - bar.n)
+                time.sleep(0.2)
         except KeyboardInterrupt:
             interrupted = True
             if batch is not None:
                 batch.cancel()
         outcomes = batch.outcomes() if batch is not None else unsubmitted(samples, config)
+        if bar is not None:
+            settle_bar(bar, outcomes)
         # written before the embedded worker stops: its shutdown waits for a call in flight,
         # and the outcomes are due at the deadline, not after that call
         write_outcomes(output, outcomes, lines, unreadable)
     finally:
+        if bar is not None:
+            bar.close()
         shutdown()
     summary, code = summarize(outcomes)
     click.echo(summary, err=True)
     sys.exit(EXIT_INTERRUPTED if interrupted else code)
+
+
+def settle_bar(bar, outcomes: list) -> None:
+    """The progress bar's last state: samples done (cancelled and timed-out ones are not),
+    with the count of each status, so a Ctrl-C shows as cancelled samples, not as progress."""
+    counts = Counter(o.status for o in outcomes)
+    bar.n = len(outcomes) - counts["cancelled"] - counts["timeout"]
+    bar.set_description("cancelled" if counts["cancelled"] else "done", refresh=False)
+    bar.set_postfix_str(", ".join(f"{v} {k}" for k, v in sorted(counts.items())), refresh=False)
+    bar.refresh()
 
 
 def unsubmitted(samples: list, config: Config) -> list:
@@ -481,13 +524,17 @@ def audit_command(config_path: str | None, route_name: str, limit: int) -> None:
 def dead_letters(config_path: str | None, limit: int) -> None:
     """Malformed task messages the workers refused, one JSON line each (newest first)."""
     from .ops.dead_letter import read
-    from .redis_conn import connect
+    from .redis_conn import connect, describe
 
     config = load_config(config_path)
     if config.embedded:
         raise ConfigError("qrq dead-letters needs Redis: set QRQ_REDIS_URL or [redis] url")
-    for entry in read(connect(config), limit):
+    entries = read(connect(config), limit)
+    for entry in entries:
         click.echo(json.dumps(entry))
+    if not entries:
+        click.echo(f"qrq: no dead letters in Redis at {describe(config)}: every task message "
+                   "the workers received was well-formed", err=True)
 
 
 @cli.command()

@@ -1,6 +1,7 @@
 """The two clients `qrq demo` compares qrq with, as a user would write them without qrq.
 
-- `naive_score`: one request after another, a fresh connection each time.
+- `naive_score`: one request after another, a fresh connection each time (the standard
+  library's urllib, so the demo needs nothing beyond the package).
 - `semaphore_score`: asyncio with `Semaphore(64)` requests in flight over keep-alive
   connections, spread round-robin over the route's judges (the "async batch reward manager"
   style). Written on the standard library's asyncio streams so the demo needs nothing beyond
@@ -15,9 +16,10 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
 from urllib.parse import urlsplit
-
-import requests
 
 from .backends.judge import JudgeBackend
 from .config import Backend
@@ -41,20 +43,35 @@ def _score(judge: JudgeBackend, body: dict) -> float:
     return float(found.group(1))
 
 
-def naive_score(backend: Backend, samples: list[dict]) -> list[float]:
-    """What a plain script does: one request after another, sleeping Retry-After on 429."""
+def _post(url: str, payload: dict, timeout_s: float) -> tuple[int, dict[str, str], bytes]:
+    """One POST on a fresh connection: status, lower-cased headers, body (errors included)."""
+    request = urllib.request.Request(url, data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+            return reply.status, {k.lower(): v for k, v in reply.headers.items()}, reply.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, {k.lower(): v for k, v in exc.headers.items()}, exc.read()
+
+
+def naive_score(backend: Backend, samples: list[dict],
+                progress: Callable[[int], None] | None = None) -> list[float]:
+    """What a plain script does: one request after another, sleeping Retry-After on 429;
+    `progress(done)` after each sample."""
     judge = JudgeBackend(backend)
     scores = []
     for sample in samples:
         while True:
-            reply = requests.post(
-                judge.endpoint, json=_request(backend, judge, sample), timeout=backend.timeout_s
-            )
-            if reply.status_code != 429:
+            status, headers, body = _post(judge.endpoint, _request(backend, judge, sample),
+                                          backend.timeout_s)
+            if status != 429:
                 break
-            time.sleep(_retry_after_s({k.lower(): v for k, v in reply.headers.items()}))
-        reply.raise_for_status()
-        scores.append(_score(judge, reply.json()))
+            time.sleep(_retry_after_s(headers))
+        if status != 200:
+            raise RuntimeError(f"{judge.endpoint} answered {status}: {body[:200]!r}")
+        scores.append(_score(judge, json.loads(body)))
+        if progress is not None:
+            progress(len(scores))
     return scores
 
 

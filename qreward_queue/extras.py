@@ -14,6 +14,7 @@ from .errors import ConfigError
 EXTRAS = {  # top-level module -> the extra of pyproject.toml that installs it
     "aiohttp": "gateway",
     "prometheus_client": "metrics",
+    "requests": "metrics",  # `qrq plan --metrics-url`
     "flower": "monitor",
     "math_verify": "rewards",
     "numpy": "examples",

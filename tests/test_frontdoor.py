@@ -4,8 +4,10 @@ no worker says so, Redis problems and unset keys are one line, exit codes tell t
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -96,6 +98,9 @@ def test_wheel_in_a_fresh_virtualenv_runs_the_demo_from_any_directory(tmp_path, 
     assert [line.split()[0] for line in out if line.split()[0] in ("naive", "asyncio", "qrq")] \
         == ["naive", "asyncio", "qrq"]
     assert "every score matches the judge's rule" in out[-1]
+    # the summary leads with what each client made the judges refuse
+    assert re.match(r"qrq: \d+ requests refused by the judges \(429\), the asyncio client \d+, "
+                    r"the naive loop \d+; ", out[-1]), out[-1]
     version = subprocess.run([venv / "bin" / "qrq", "--version"], capture_output=True,
                              text=True, timeout=60, cwd=elsewhere)
     assert version.stdout.strip() == "qrq, version 0.1.0"
@@ -388,3 +393,42 @@ def test_an_unset_api_key_fails_over_to_a_healthy_sibling(tmp_path, monkeypatch)
     only = qreward_queue.submit_batch(samples[:2], route="keyless", app=app).outcomes(timeout=60)
     assert all(o.status == "error" and "QRQ_TEST_KEY_NOBODY_SET" in o.error for o in only)
     assert all(o.attempts == 1 and "(no call made on 'keyless'" in o.error for o in only)
+
+
+class _Terminal(io.StringIO):
+    """stderr as a terminal shows it (tqdm draws only on a terminal)."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_demo_shows_progress_while_the_naive_loop_runs(monkeypatch, tmp_path):
+    from qreward_queue.demo import grpo_batch, progress_bar
+    from qreward_queue.demo_clients import naive_score
+
+    samples = grpo_batch(n_prompts=2)  # 16 samples
+    screen = _Terminal()
+    monkeypatch.setattr(sys, "stderr", screen)
+    with MockJudge(MockJudgeSettings(latency_ms=1, latency_cv=0)) as judge:
+        config = write_config(tmp_path, {"j": judge_backend(judge.url)}, routes={"r": ["j"]})
+        backend = load_config(config).backends["j"]
+        with progress_bar(len(samples), "naive loop") as advance:
+            scores = naive_score(backend, samples, advance)
+    frames = screen.getvalue().split("\r")
+    assert len(scores) == 16
+    for done in range(1, 17):  # drawn after each sample, while the loop runs
+        assert any(f.startswith("naive loop:") and f" {done}/16 " in f for f in frames), done
+
+
+def test_package_metadata_matches_its_license_file_and_needs_no_http_client():
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    head = " ".join((ROOT / "LICENSE").read_text().split()[:5])
+    assert project["license"] == "Apache-2.0" and project["license-files"] == ["LICENSE"]
+    assert head == "Apache License Version 2.0, January"
+    assert "Programming Language :: Python :: 3.10" in project["classifiers"]
+    assert project["requires-python"] == ">=3.10"
+    # the demo's clients are the standard library's: `requests` only where a command needs it
+    assert not [d for d in project["dependencies"] if d.startswith("requests")]
+    assert any(d.startswith("requests") for d in project["optional-dependencies"]["metrics"])

@@ -319,9 +319,11 @@ def test_areal_workflow_scores_on_qrq_and_rejects_unscored(app, areal_context):
 
 # -- embedded mode ------------------------------------------------------------------------------
 
-def test_embedded_mode_is_refused_under_multi_process_trainers(app, tmp_path, monkeypatch):
+def test_embedded_mode_is_refused_under_multi_process_trainers(app, tmp_path, monkeypatch,
+                                                                 capsys):
     from support import write_config
 
+    from qreward_queue.integrations import guard
     from qreward_queue.runtime import configure
 
     monkeypatch.delenv("QRQ_REDIS_URL", raising=False)
@@ -331,7 +333,13 @@ def test_embedded_mode_is_refused_under_multi_process_trainers(app, tmp_path, mo
         with pytest.raises(ConfigError, match="QRQ_REDIS_URL"):
             verl.QrqRewardManager({}, WordTokenizer())
         monkeypatch.setenv("QRQ_ALLOW_EMBEDDED", "1")
-        with pytest.warns(RuntimeWarning, match="QRQ_REDIS_URL"):
-            verl.QrqRewardManager({}, WordTokenizer())
+        monkeypatch.setattr(guard, "_noted", set())  # as in a fresh process
+        capsys.readouterr()
+        verl.QrqRewardManager({}, WordTokenizer())
+        verl.QrqRewardManager({}, WordTokenizer())
+        # allowed: one calm line per process, no warning with a source line under it
+        assert capsys.readouterr().err.splitlines() == [
+            "qrq: embedded mode under verl (QRQ_ALLOW_EMBEDDED=1): the judge's limits hold "
+            "within this process"]
     finally:
         configure(app.qrq_config)  # back to the module's distributed stack

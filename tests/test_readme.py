@@ -1,6 +1,7 @@
-"""README tells the truth: the paths it names exist, its `qrq ...` command lines parse, the
-Python names it gives import, its verl keys are the ones checked against verl itself, and its
-sample outputs match a fresh run (docs/readme_samples.py)."""
+"""README and the docs pages tell the truth: the paths they name exist, their `qrq ...` command
+lines parse, the Python names they give import, their verl keys are the ones checked against
+verl itself, and their sample outputs match a fresh run (docs/readme_samples.py). README stays
+a front door of at most 200 lines."""
 
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ from qreward_queue.cli import cli
 from qreward_queue.config import load_backend
 
 README = (ROOT / "README.md").read_text()
+# README and every docs page, by path (the site's home page is README itself)
+PAGES = {str(path.relative_to(ROOT)): path.read_text()
+         for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]}
+ALL = "\n".join(PAGES.values())
 sys.path.insert(0, str(ROOT / "docs"))
 import readme_samples  # noqa: E402
 
@@ -29,12 +34,17 @@ PLACEHOLDER = re.compile(r"<[\w-]+>")  # workers/<backend>.toml: stands for any 
 
 
 def paths_named() -> set[str]:
-    return set(PATH.findall(README)) - set(copied().values())
+    return set(PATH.findall(ALL)) - set(copied().values()) - written()
+
+
+def written() -> set[str]:
+    """Files the pages' `qrq init` samples say they wrote (`wrote workers/judge.toml`)."""
+    return set(re.findall(r"^ *wrote (\S+)$", ALL, re.M))
 
 
 def copied() -> dict[str, str]:
-    """`$ cp SRC DST` lines of README's samples: DST exists once the reader ran them."""
-    return dict(re.findall(r"^\$ cp (\S+) (\S+)$", README, re.M))
+    """`$ cp SRC DST` lines of the pages' samples: DST exists once the reader ran them."""
+    return dict(re.findall(r"^\$ cp (\S+) (\S+)$", ALL, re.M))
 
 
 def expand(path: str) -> list[str]:
@@ -53,14 +63,15 @@ def test_every_path_readme_names_exists(path):
         assert list(ROOT.glob(pattern)) if "*" in pattern else (ROOT / one).exists(), one
 
 
-def command_lines() -> list[str]:
-    """Every qrq command line README shows: in bash blocks, after `$ ` in output blocks, and
+def command_lines(text: str = ALL) -> list[str]:
+    """Every qrq command line a page shows: in bash blocks, after `$ ` in output blocks, and
     in inline code (env assignments before it, `&&` and continuation lines understood)."""
     lines = []
-    for lang, block in re.findall(r"```([^\n]*)\n(.*?)```", README, re.S):
+    for lang, block in re.findall(r"```([^\n]*)\n(.*?)```", text, re.S):
         block = block.replace("\\\n", " ")
-        lines += [line for line in block.splitlines() if lang == "bash" or line.startswith("$ ")]
-    lines += re.findall(r"(?<!`)`([^`\n]*\bqrq [^`\n]*)`", README)
+        lines += [line.strip() for line in block.splitlines()
+                  if lang == "bash" or line.strip().startswith("$ ")]
+    lines += re.findall(r"(?<!`)`([^`\n]*\bqrq [^`\n]*)`", text)
     found = []
     for line in lines:
         for part in line.split("&&"):
@@ -92,6 +103,9 @@ def test_every_qrq_command_line_parses(line, tmp_path, monkeypatch):
             (tmp_path / entry.name).symlink_to(entry)
     for source, target in copied().items():
         shutil.copy(tmp_path / source, tmp_path / target)
+    for target in written():
+        if not (tmp_path / target).exists():
+            (tmp_path / target).write_text("")
     words = [PLACEHOLDER.sub("mock-a", w) for w in shlex.split(line)[1:]]
     for word in words:
         if word.endswith(".jsonl") and not (tmp_path / word).exists():
@@ -105,16 +119,29 @@ def test_every_qrq_command_line_parses(line, tmp_path, monkeypatch):
     except click.exceptions.Exit:  # --version, --help: parsed, then done
         pass
     except click.UsageError as exc:
-        pytest.fail(f"README's `{line}` does not parse: {exc.format_message()}")
+        pytest.fail(f"the docs' `{line}` does not parse: {exc.format_message()}")
 
 
 def test_readme_shows_many_command_lines():  # the extraction above must keep finding them
     commands = {line.split()[1] for line in command_lines()}
     assert {"demo", "score", "worker", "status", "plan", "exporter", "gateway", "mock-judge",
-            "dead-letters"} <= commands
+            "dead-letters", "init"} <= commands
+    assert {"init", "score", "worker"} <= {line.split()[1] for line in command_lines(README)}
 
 
-@pytest.mark.parametrize("name", sorted(set(re.findall(r"\bqreward_queue(?:\.\w+)+", README))))
+def test_readme_is_a_front_door():
+    assert len(README.splitlines()) <= 200
+    # the two commands, exactly as CI and the demo test run them
+    assert "python3 -m venv .venv && .venv/bin/pip install -q -e . && .venv/bin/qrq demo" in README
+    assert "```bash\nbash .ci/test.sh\n```" in README
+    # the site's nav holds every page (`mkdocs build --strict` refuses one left out, too)
+    nav = (ROOT / "mkdocs.yml").read_text()
+    for page in PAGES:
+        if page.startswith("docs/"):
+            assert f": {page.removeprefix('docs/')}" in nav, page
+
+
+@pytest.mark.parametrize("name", sorted(set(re.findall(r"\bqreward_queue(?:\.\w+)+", ALL))))
 def test_every_python_name_readme_gives_imports(name):
     parts = name.split(".")
     for split in range(len(parts), 0, -1):
@@ -149,7 +176,7 @@ def test_verl_keys_are_the_ones_checked_against_verl():
     options = {"+reward.qrq.deadline_s=250", "+reward.qrq.on_unscored=raise"}
     source = (ROOT / "qreward_queue" / "integrations" / "verl.py").read_text()
     assert all(f'settings.get("{k.split("=")[0].rsplit(".", 1)[1]}"' in source for k in options)
-    for text in (README, (ROOT / "examples" / "verl_reward.py").read_text()):
+    for text in (*PAGES.values(), (ROOT / "examples" / "verl_reward.py").read_text()):
         assert verl_keys(text) <= checked | options
 
 
@@ -162,16 +189,17 @@ def test_the_mock_judge_readme_starts_is_the_one_the_worker_files_are_sized_for(
     assert options["max_concurrent"] == backend.limits.max_concurrent and backend.pool.sized
 
 
-def test_readme_names_no_internal_tool():
-    assert not re.search(r"`(duplicates|issues|search|fetch)\b", README)
+@pytest.mark.parametrize("page", sorted(PAGES))
+def test_readme_names_no_internal_tool(page):
+    assert not re.search(r"`(duplicates|issues|search|fetch)\b", PAGES[page])
 
 
 def test_every_example_says_its_extra():
+    examples_page = PAGES["docs/examples.md"]
     for example in (ROOT / "examples").glob("*.py"):
         if not example.name.startswith("_"):
-            assert f"examples/{example.name}" in README, example.name
-    section = README.split("## Examples", 1)[1].split("\n## ", 1)[0]
-    assert "qreward-queue[examples]" in section and "qreward-queue[gateway]" in section
+            assert f"examples/{example.name}" in examples_page, example.name
+    assert "qreward-queue[examples]" in examples_page and "qreward-queue[gateway]" in examples_page
 
 
 @pytest.mark.parametrize("name", [n for n in readme_samples.SAMPLES
@@ -204,8 +232,8 @@ def test_every_module_the_architecture_page_names_exists():
     assert not sorted(n for n in names if not exists(n))
 
 
-def test_every_module_readme_s_table_names_exists():
-    table = re.findall(r"^\| ((?:`[^`]+`(?: \+ | / )?)+) \|", README, re.M)
+def test_every_module_the_module_table_names_exists():
+    table = re.findall(r"^\| ((?:`[^`]+`(?: \+ | / )?)+) \|", ARCHITECTURE, re.M)
     names = {n for row in table for n in re.findall(r"`([^`]+)`", row)
              if n.endswith((".py", "/"))}
     assert {"worker/call_path.py", "flow/limiter.py", "backends/"} <= names

@@ -3,24 +3,26 @@
 Embedded mode gives every process its own in-memory limiter, so verl's 8 reward workers (or
 N TRL ranks) would each drive the judge at its full limit. Integrations call
 `require_shared_limits` once per process: with embedded mode it raises a ConfigError saying
-that QRQ_REDIS_URL is needed, unless QRQ_ALLOW_EMBEDDED=1 (one process, demos) turns that
-into a warning.
+that QRQ_REDIS_URL is needed, unless QRQ_ALLOW_EMBEDDED=1 (one process, demos, the examples)
+says the user knows: then one calm line per process says what the mode means, nothing more.
 """
 
 from __future__ import annotations
 
 import os
-import warnings
+import sys
 
 from ..errors import ConfigError, ScoringError
 from ..runtime import get_app
 from ..samples import Outcome
 
 ALLOW_ENV = "QRQ_ALLOW_EMBEDDED"
+_noted: set[int] = set()  # the processes that said it already (a forked child says it again)
 
 
 def require_shared_limits(trainer: str) -> None:
-    """Raise (or warn, with QRQ_ALLOW_EMBEDDED=1) when qrq runs embedded under `trainer`."""
+    """Raise when qrq runs embedded under `trainer`; with QRQ_ALLOW_EMBEDDED=1, say once per
+    process that its limits hold within this process only."""
     if not get_app().qrq_config.embedded:
         return
     message = (
@@ -31,7 +33,10 @@ def require_shared_limits(trainer: str) -> None:
     )
     if os.environ.get(ALLOW_ENV) != "1":
         raise ConfigError(message + f" (or {ALLOW_ENV}=1 if this really is one process)")
-    warnings.warn(message, RuntimeWarning, stacklevel=2)
+    if os.getpid() not in _noted:
+        _noted.add(os.getpid())
+        print(f"qrq: embedded mode under {trainer} ({ALLOW_ENV}=1): the judge's limits hold "
+              "within this process", file=sys.stderr)
 
 
 def unscored_error(outcome: Outcome) -> ScoringError:

@@ -1,0 +1,84 @@
+"""mkdocs hook: the configuration reference, generated from the settings dataclasses.
+
+A page holding `<!-- generated: settings -->` gets one table per dataclass of
+`qreward_queue/settings.py` (field, type, default, the comment the source gives it), so the
+reference cannot drift from the model the loader fills. The CLI reference comes from click
+itself (the `mkdocs-click` extension, docs/cli.md).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import re
+from typing import Any
+
+from qreward_queue import settings
+
+MARK = "<!-- generated: settings -->"
+# each dataclass and where its values are written
+TABLES: dict[str, str] = {
+    "Config": "`qrq.toml`: top level, `[redis]` and `[defaults]`",
+    "Route": "`qrq.toml`: `[routes.NAME]`",
+    "Audit": "`qrq.toml`: `[routes.NAME] audit = { ... }`",
+    "GatewaySettings": "`qrq.toml`: `[gateway]`",
+    "Backend": "`workers/<backend>.toml`: `[backend]` (and `[backend.options]`)",
+    "Limits": "`workers/<backend>.toml`: `[limits]`",
+    "Pool": "`workers/<backend>.toml`: `[pool]`",
+    "Retry": "`workers/<backend>.toml`: `[retry]`",
+    "Price": "`workers/<backend>.toml`: `[price]`",
+    "Budget": "`workers/<backend>.toml`: `[budget]`; `qrq.toml`: `[gateway.budget.JOB]`",
+}
+
+
+def field_comments(cls: type) -> dict[str, str]:
+    """Each field's comment in the source: on its line, else the lines just above it."""
+    source, _ = inspect.getsourcelines(cls)
+    notes: dict[str, str] = {}
+    above: list[str] = []
+    for line in source:
+        text = line.strip()
+        if text.startswith("#"):
+            above.append(text.lstrip("# "))
+            continue
+        match = re.match(r"(\w+): [^=#]+(?:=[^#]*)?(?:#\s*(.*))?$", text)
+        if match and not text.startswith(("def ", "return ", "@")):
+            notes[match.group(1)] = match.group(2) or " ".join(above)
+        above = []
+    return notes
+
+
+def default_of(field: dataclasses.Field[Any]) -> str:
+    if field.default is not dataclasses.MISSING:
+        value = field.default
+    elif field.default_factory is not dataclasses.MISSING:
+        value = field.default_factory()
+    else:
+        return "required"
+    if isinstance(value, str) and "\n" in value:
+        return "(see `settings.py`)"
+    text = repr(value) if not dataclasses.is_dataclass(value) else f"`{type(value).__name__}()`"
+    return text if text.startswith("`") else f"`{text}`"
+
+
+def table(cls: type) -> str:
+    notes = field_comments(cls)
+    doc = " ".join(ast.get_docstring(ast.parse(inspect.getsource(cls)).body[0]).split())  # type: ignore[arg-type]
+    rows = [f"### `{cls.__name__}`\n", f"{TABLES[cls.__name__]}. {doc}\n",
+            "| field | type | default | note |", "|---|---|---|---|"]
+    for field in dataclasses.fields(cls):
+        kind = str(field.type).replace("|", "\\|")
+        note = notes.get(field.name, "").replace("|", "\\|")
+        default = default_of(field).replace("|", "\\|")
+        rows.append(f"| `{field.name}` | `{kind}` | {default} | {note} |")
+    return "\n".join(rows) + "\n"
+
+
+def settings_reference() -> str:
+    """Every settings dataclass as a table, in the order of TABLES."""
+    return "\n".join(table(getattr(settings, name)) for name in TABLES)
+
+
+def on_page_markdown(markdown: str, **_: Any) -> str:
+    return markdown.replace(MARK, settings_reference()) if MARK in markdown else markdown
