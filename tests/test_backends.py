@@ -638,3 +638,25 @@ def test_slots_go_back_when_booking_a_chunks_grants_raises(judge, monkeypatch, o
     monkeypatch.undo()
     result = ChunkRunner(config, limiter, None, 1).run([sample(i) for i in range(8)])
     assert [o.status for o in result.outcomes] == ["ok"] * 8
+
+
+def test_a_slot_woken_for_a_cancelled_caller_goes_to_the_next_waiter():
+    import asyncio
+
+    from qreward_queue.config import Pool
+    from qreward_queue.worker.call_loop import Slots
+    from qreward_queue.worker.call_pool import CallSizing
+
+    async def scenario() -> int:
+        config = Backend("j", "judge", url="http://h/v1", model="m",
+                         pool=Pool(calls=1, sized=False))
+        slots = Slots(CallSizing(config))
+        assert await slots.take(1) == 1  # the one slot is held
+        cancelled = asyncio.ensure_future(slots.take(1))
+        waiting = asyncio.ensure_future(slots.take(1))
+        await asyncio.sleep(0)  # both wait for the slot
+        slots.give()  # the first waiter is woken for it...
+        cancelled.cancel()  # ...and its caller gives up before it could take it
+        return await asyncio.wait_for(waiting, 5)
+
+    assert asyncio.run(scenario()) == 1

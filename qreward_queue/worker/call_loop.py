@@ -48,12 +48,16 @@ class Slots:
         """Wait for one slot; with fewer than `wanted` (or a quarter of the slots) free, wait
         GATHER_S more; take what is free: the grants of calls started together are booked in
         one round trip, not one each."""
-        while self._used >= self.sizing.size:
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiters.append(waiter)
-            await waiter
-        if self.sizing.size - self._used < min(wanted, max(1, self.sizing.size // 4)):
-            await asyncio.sleep(GATHER_S)
+        try:
+            while self._used >= self.sizing.size:
+                waiter = asyncio.get_running_loop().create_future()
+                self._waiters.append(waiter)
+                await waiter
+            if self.sizing.size - self._used < min(wanted, max(1, self.sizing.size // 4)):
+                await asyncio.sleep(GATHER_S)
+        except asyncio.CancelledError:
+            self._wake()  # a slot this caller was woken for goes to the next waiter
+            raise
         taken = max(0, min(wanted, self.sizing.size - self._used))
         self._used += taken
         return taken or await self.take(wanted)
