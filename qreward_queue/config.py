@@ -60,7 +60,7 @@ def _limits(t: Table) -> Limits:
         rpm=rpm or None,
         tpm=tpm or None,
         max_concurrent=t.integer("max_concurrent", None, minimum=0) or None,
-        burst_s=t.number("burst_s", 1.0),
+        burst_s=t.number("burst_s", Limits.burst_s),
         max_pause_s=t.number("max_pause_s", DEFAULT_MAX_PAUSE_S),
     )
     t.finish()
@@ -238,7 +238,7 @@ def _routes(t: Table, backends: dict[str, Backend], broken: Collection[str] = ()
             backends=tuple(names),
             weights=weights,
             cache=r.get("cache", bool, False),
-            cache_ttl_s=r.number("cache_ttl_s", 86400.0),
+            cache_ttl_s=r.number("cache_ttl_s", Route.cache_ttl_s),
             **_ensemble(r, modes),
             **_integrity(r),
         )
@@ -263,8 +263,9 @@ def _integrity(r: Table) -> dict[str, Any]:
     if not 0 < fraction <= 1:
         raise a.fail("fraction", "a number in (0, 1]")
     audit = Audit(route=a.get("route", str, required=True, expected="a route or backend name"),
-                  fraction=fraction, threshold=a.number("threshold", 0.5, positive=False),
-                  seed=a.integer("seed", 0, minimum=0))
+                  fraction=fraction,
+                  threshold=a.number("threshold", Audit.threshold, positive=False),
+                  seed=a.integer("seed", Audit.seed, minimum=0))
     a.finish()
     return {"on_injection": how, "audit": audit}
 
@@ -288,7 +289,7 @@ def _ensemble(r: Table, modes: list[str]) -> dict[str, Any]:
     quorum = r.integer("quorum", votes // 2 + 1)  # default: a majority of the votes
     if quorum > votes:
         raise r.fail("quorum", f"an integer from 1 to votes ({votes})")
-    temperature = r.number("temperature", 1.0, allow_zero=True)
+    temperature = r.number("temperature", Route.temperature, allow_zero=True)
     return {"votes": votes, "aggregate": how, "quorum": quorum, "temperature": temperature}
 
 
@@ -390,12 +391,12 @@ def load_config(
         routes=root.section("routes", _routes, backends,
                             {Path(f).stem for f in broken or {}}) or {},
         default_route=d.get("route", str, None),
-        deadline_s=d.number("deadline_s", 600.0),
-        fallback_score=d.number("fallback_score", 0.0, positive=False),
-        max_sample_bytes=d.integer("max_sample_bytes", 1 << 20),
-        result_expires_s=d.integer("result_expires_s", 6 * 3600),
-        visibility_timeout_s=d.integer("visibility_timeout_s", 900),
-        lease_s=d.number("lease_s", 15.0),
+        deadline_s=d.number("deadline_s", Config.deadline_s),
+        fallback_score=d.number("fallback_score", Config.fallback_score, positive=False),
+        max_sample_bytes=d.integer("max_sample_bytes", Config.max_sample_bytes),
+        result_expires_s=d.integer("result_expires_s", Config.result_expires_s),
+        visibility_timeout_s=d.integer("visibility_timeout_s", Config.visibility_timeout_s),
+        lease_s=d.number("lease_s", Config.lease_s),
         source=str(path),
         gateway=root.section("gateway", _gateway, path.parent) or GatewaySettings(),
         **target,

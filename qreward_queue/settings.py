@@ -14,6 +14,7 @@ from typing import Any
 from .errors import UnknownRoute
 from .flow.ratelimit_headers import DEFAULT_MAX_PAUSE_S
 from .redact import remember
+from .samples import DEFAULT_MAX_SAMPLE_BYTES
 from .toml_table import env_names
 
 DEFAULT_TEMPLATE = (
@@ -260,7 +261,7 @@ class Config:
     default_route: str | None = None
     deadline_s: float = 600.0
     fallback_score: float = 0.0
-    max_sample_bytes: int = 1 << 20
+    max_sample_bytes: int = DEFAULT_MAX_SAMPLE_BYTES
     result_expires_s: int = 6 * 3600
     visibility_timeout_s: int = 900
     lease_s: float = 15.0  # workers stop calling for a batch this long after its client died
