@@ -14,7 +14,6 @@ import asyncio
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
 
 from ..backends import BackendClient, Call, make_backend
 from ..config import Backend
@@ -119,21 +118,30 @@ class CallPath:
         """The transport's answer, and whether a hedge gave it. A call whose reply is far later
         than the backend's usual (`hedge_after_s`) gets a second call of the same samples and
         the first good answer wins, the other is abandoned: a connection that hangs costs
-        one more call, not the whole `timeout_s` that every sample of the batch waits for."""
-        answers: list[asyncio.Future[Any]] = [  # Call | ScoringError | None (no hedge)
-            asyncio.ensure_future(_answer(self.client, batch))]
+        one more call, not the whole `timeout_s` that every sample of the batch waits for.
+        Until then a call pays one timer for it, no task."""
+        after = self.hedge_after_s() if self.hedge_after_s and self._may_hedge(booking) \
+            else None
+        if after is None:
+            return await _answer(self.client, batch), False
+        hedge = _Hedge(self, batch)
+        timer = asyncio.get_running_loop().call_later(after, hedge.start)
         try:
-            after = self.hedge_after_s() if self.hedge_after_s and self._may_hedge(booking) \
-                else None
-            if after is not None:
-                done, _ = await asyncio.wait(answers, timeout=after)
-                if not done:
-                    answers.append(asyncio.ensure_future(self._hedge(batch)))
-            result, by = await _first_good(answers)
-            return result, by > 0
+            result = await _answer(self.client, batch)
+            hedge.first_ended = True
+            if isinstance(result, ScoringError) and hedge.task is not None:
+                second = await hedge.task  # the first failed while its hedge goes on
+                if isinstance(second, Call):
+                    return second, True
+            return result, False
+        except asyncio.CancelledError:
+            uncancel = getattr(asyncio.current_task(), "uncancel", None)  # 3.11: counted
+            if hedge.won is None or (uncancel is not None and uncancel() > 0):
+                raise  # cancelled from outside, not (only) by the hedge's answer
+            return hedge.won, True
         finally:
-            for answer in answers:  # the slower one is abandoned (its connection closed)
-                answer.cancel()
+            timer.cancel()
+            hedge.abandon()
 
     def _may_hedge(self, booking: Booking | None) -> bool:
         """A budget books one call per sample, a local call has no connection to hang."""
@@ -289,14 +297,28 @@ async def _answer(client: BackendClient, batch: list[dict]) -> Call | ScoringErr
         return exc
 
 
-async def _first_good(answers: list[asyncio.Future[Any]]) -> tuple[Call | ScoringError, int]:
-    """The first Call among `answers` and its index; with none, the first one's error."""
-    pending = set(answers)
-    while pending:
-        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-        for answer in done:
-            if isinstance(result := answer.result(), Call):
-                return result, answers.index(answer)
-    first = answers[0].result()
-    assert first is not None  # only a hedge answers None
-    return first, 0
+class _Hedge:
+    """The second call of a late call's batch: started by the first's timer, it interrupts the
+    first (cancels the task awaiting it) with its answer when that answer is good."""
+
+    def __init__(self, path: CallPath, batch: list[dict]):
+        self.path, self.batch = path, batch
+        self.owner = asyncio.current_task()
+        self.task: asyncio.Task[Call | ScoringError | None] | None = None
+        self.won: Call | None = None
+        self.first_ended = False
+
+    def start(self) -> None:
+        self.task = asyncio.ensure_future(self.path._hedge(self.batch))
+        self.task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[Call | ScoringError | None]) -> None:
+        if task.cancelled() or task.exception() is not None or self.first_ended:
+            return
+        if isinstance(result := task.result(), Call) and self.owner is not None:
+            self.won = result
+            self.owner.cancel()
+
+    def abandon(self) -> None:
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
