@@ -167,7 +167,8 @@ def test_open_breaker_lets_the_call_through_when_no_sibling_may_take_it(store, m
 # limiter
 
 
-def test_the_call_holds_a_lease_booked_here_and_gives_it_back_after_success(store, monkeypatch):
+def test_the_call_holds_a_lease_booked_here_and_gives_it_back_after_success(
+        store, monkeypatch, registry):
     # Given a backend with one lease and no grant booked by the runner
     limiter = Limiter(store, CONFIG.name, max_concurrent=1)
     client = FakeKind(CONFIG, ok())
@@ -175,7 +176,10 @@ def test_the_call_holds_a_lease_booked_here_and_gives_it_back_after_success(stor
     path = make_path(monkeypatch, client, limiter=limiter)
     # When the call is made
     path.call(BATCH)
-    # Then it held the lease while in flight, and gave it back after
+    # Then it waited for its grant (counted), held the lease while in flight, and gave it
+    # back after
+    assert registry.get_sample_value("qrq_limiter_wait_seconds_count",
+                                     {"backend": CONFIG.name}) == 1
     assert client.during == [1]
     assert leases(limiter) == 0
 
@@ -425,6 +429,61 @@ def test_a_slow_call_gets_a_hedge_whose_answer_wins(store, monkeypatch, registry
     assert (client.calls, cancelled) == (2, 1)
     assert registry.get_sample_value("qrq_retries_total",
                                      {"backend": CONFIG.name, "reason": "hedge"}) == 1
+    assert leases(limiter) == 0
+
+
+def test_no_hedge_for_a_batch_nobody_waits_for_any_more(store, monkeypatch):
+    # Given a slow call whose batch is cancelled while it is in flight
+    client = FakeKind(CONFIG, Slow(0.1, ok(0.4)), ok(0.9))
+    stops = iter([None])  # the first look (clearance) lets the call start; later ones stop
+    path = make_path(monkeypatch, client)
+    path.stop = lambda: next(stops, "the batch was cancelled by its caller")
+    path.hedge_after_s = lambda: HEDGE_AFTER_S
+    # When the call is made
+    result = asyncio.run(path.call_async(BATCH, None))
+    # Then no second call was made: the first one's answer is the call's
+    assert result.scores == [0.4]
+    assert client.calls == 1
+
+
+def test_no_hedge_when_the_limiter_cannot_start_it_soon(store, monkeypatch):
+    # Given a slow call holding its backend's only lease
+    monkeypatch.setattr(call_path, "HEDGE_LIMITER_WAIT_S", 0.05)
+    limiter = Limiter(store, CONFIG.name, max_concurrent=1)
+    client = FakeKind(CONFIG, Slow(0.2, ok(0.4)), ok(0.9))
+    path = make_path(monkeypatch, client, limiter=limiter)
+    path.hedge_after_s = lambda: HEDGE_AFTER_S
+
+    async def run() -> Call:
+        (grant,) = await limiter.reserve_async(1)
+        result = await path.call_async(BATCH, grant)
+        await limiter.flush_async()
+        return result
+
+    # When the call is made
+    result = asyncio.run(run())
+    # Then the hedge gave up on the lease: one call, its answer, the lease back
+    assert result.scores == [0.4]
+    assert client.calls == 1
+    assert leases(limiter) == 0
+
+
+def test_call_async_makes_no_call_for_a_batch_nobody_waits_for(store, monkeypatch):
+    # Given a cancelled batch and a grant the runner booked on the loop
+    limiter = Limiter(store, CONFIG.name, max_concurrent=1)
+    client = FakeKind(CONFIG, ok())
+    path = make_path(monkeypatch, client, limiter=limiter,
+                     stop="the batch was cancelled by its caller")
+
+    async def run() -> None:
+        (grant,) = await limiter.reserve_async(1)
+        await path.call_async(BATCH, grant)
+
+    # When the call is tried
+    with pytest.raises(Cancelled):
+        asyncio.run(run())
+    # Then no call was made and the lease is back
+    assert client.calls == 0
     assert leases(limiter) == 0
 
 
