@@ -27,6 +27,7 @@ from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn, verdict
 vf = pytest.importorskip("verifiers.v1", reason="framework packages: run bash .ci/frameworks.sh")
 
 JUDGE_RPM = 600  # 10 a second: a burst of 40 calls straight at it gets 429s
+QRQ_RPM = 540  # qrq's limit for it, a little under the judge's (as one sets it for a provider)
 BURST = 40
 KEY, KEY_VAR, KEYS_ENV = "key-rl-run-0123456789", "QRQ_TEST_JUDGE_KEY", "QRQ_TEST_GATEWAY_KEYS"
 PROMPT = "Question: {question}\nResponse: {response}\nGrade the response from 0 to 1."
@@ -63,7 +64,7 @@ def stack(tmp_path_factory):
     path = tmp_path_factory.mktemp("frameworks")
     with contextlib.ExitStack() as stack:
         judge = stack.enter_context(spawn(MockJudgeSettings(rpm=JUDGE_RPM, latency_ms=20)))
-        config = write_config(path, {"judge": judge_backend(judge.url, rpm=JUDGE_RPM)},
+        config = write_config(path, {"judge": judge_backend(judge.url, rpm=QRQ_RPM)},
                               f"redis://{REDIS_HOST}:{REDIS_PORT}/{REDIS_DB}", route="judge",
                               deadline_s=60)
         with config.open("a") as fh:
@@ -115,10 +116,10 @@ def test_verifiers_judge_through_the_gateway_scores_a_burst_within_the_limit(sta
     # every reward verifiers read is the mock judge's verdict on what verifiers asked
     assert [v.parsed for v in verdicts] == [round(verdict(asked(c)), 2) for c in samples]
     assert all(v.usage.prompt_tokens > 0 and v.usage.completion_tokens > 0 for v in verdicts)
-    # ...and came through qrq: the judge saw each call once, its limit held (the 429s qrq met
-    # in the first second were its own to retry), and the gateway counted the job's spend
+    # ...and came through qrq: the judge saw each call once, within its limit, and the
+    # gateway counted the job's spend
     stats = judge.stats()
-    assert stats["accepted"] == n and stats["rate_limited"] <= 2, stats
+    assert stats["accepted"] == n and stats["rate_limited"] == 0, stats
     wait_for(lambda: spent_calls(stack["redis"], "rl-run") == n, 10, "the job's spend")
 
 
