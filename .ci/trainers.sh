@@ -8,17 +8,9 @@
 # Usage: bash .ci/trainers.sh [pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV=${QRQ_TRAINERS_VENV:-$HOME/.cache/qrq/venv-trainers}  # outside the clone: reused by later runs
-start=$(date +%s)
-if [ ! -x "$VENV/bin/python" ]; then
-  mkdir -p "$(dirname "$VENV")" && python3 -m venv "$VENV"
-fi
-if ! "$VENV/bin/python" -c "import verl, trl, openrlhf" 2>/dev/null; then
-  "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
+source .ci/venv.sh
+if ! venv_has "${QRQ_TRAINERS_VENV:-$HOME/.cache/qrq/venv-trainers}" "import verl, trl, openrlhf"; then
   "$VENV/bin/python" -m pip install -q torch==2.13.0 verl==0.9.1 trl==1.16.0
   "$VENV/bin/python" -m pip install -q --no-deps openrlhf==0.11.2
 fi
-"$VENV/bin/python" -m pip install -q -e ".[dev,gateway]"
-echo "trainer venv ready after $(( $(date +%s) - start )) s"
-"$VENV/bin/python" -m pytest -q tests/test_trainers_real.py "$@"
-echo "trainer checks took $(( $(date +%s) - start )) s"
+venv_pytest trainer tests/test_trainers_real.py "$@"

@@ -1,14 +1,21 @@
 """The OpenAI-compatible gateway: what it adds to a request, and how it shares a judge's limit
 side by side with LiteLLM's proxy.
 
-    python benchmarks/gateway.py [--rate 500] [--seconds 6] [--json]
+    python benchmarks/gateway.py [--rate 100,200,500] [--seconds 6] [--clients 4] [--json]
     python benchmarks/gateway.py --side-by-side [--litellm PATH/TO/litellm] [--seconds 20]
 
 Added latency: the mock judge (20 ms, constant, no limit) answers an open-loop load of
-`--rate` requests/s for `--seconds`: sent straight to it, as one-sample scores from Python
-(`MicroBatcher.score`, the trainer adapters' path through the queue and a `qrq worker`), and
-through `qrq gateway` (the same path behind HTTP); p50/p99 of each, and the differences: what
-the gateway adds to qrq's own path, and what the whole path adds to a direct call.
+`--rate` requests/s (each rate of the list in turn, on one stack) for `--seconds`, sent from
+`--clients` processes (one Python process cannot send 500 a second and time them fairly):
+straight to it, as one-sample scores from Python (`MicroBatcher.score` in this process, the
+trainer adapters' path through the queue and a `qrq worker`), and through `qrq gateway` (the
+same path behind HTTP). Per path: p50/p99, and the rate answered (requests over the time from
+the first send to the last answer: below the offered rate when a path cannot keep up); the
+differences: what the gateway adds to qrq's own path, and what the whole path adds to a direct
+call (each meaningful only while both paths `kept_up`: answered 95% of the offered rate; the
+in-process path is also bounded by this one process); and the CPU the gateway process and
+the worker (with its children) spent per request while the gateway's load ran, which is what
+decides how many of each a rate needs.
 
 Side by side (`--side-by-side`): the mock judge limited to `--rpm`, 4 client processes (each
 `--concurrency` requests in flight, as fast as answers come) spread over 2 gateway processes
@@ -77,23 +84,63 @@ async def open_loop(send, rate: float, seconds: float) -> dict:
         await asyncio.sleep(max(0.0, start + i / rate - time.perf_counter()))
         tasks.append(asyncio.create_task(one(i)))
     await asyncio.gather(*tasks)
-    sent_s = time.perf_counter() - start
-    return {"n": n, "failed": failed, "p50_ms": round(pct(latencies, 0.5), 2),
-            "p99_ms": round(pct(latencies, 0.99), 2), "achieved_rate": round(n / sent_s, 1)}
+    elapsed_s = time.perf_counter() - start
+    return {**summary(latencies, failed, elapsed_s), "latencies": latencies,
+            "elapsed_s": elapsed_s}
 
 
-async def over_http(url: str, rate: float, seconds: float) -> dict:
-    """open_loop of chat requests POSTed to `url`."""
+def summary(latencies: list[float], failed: int, elapsed_s: float) -> dict:
+    return {"n": len(latencies) + failed, "failed": failed,
+            "p50_ms": round(pct(latencies, 0.5), 2), "p99_ms": round(pct(latencies, 0.99), 2),
+            "answered_rate": round(len(latencies) / elapsed_s, 1)}
+
+
+async def over_http(url: str, rate: float, seconds: float, offset: int = 0) -> dict:
+    """open_loop of chat requests POSTed to `url` (request i is `body(offset + i)`)."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         async def send(i: int) -> bool:
             try:
-                async with session.post(url, json=body(i)) as resp:
+                async with session.post(url, json=body(offset + i)) as resp:
                     await resp.read()
                     return resp.status == 200
             except aiohttp.ClientError:
                 return False
 
         return await open_loop(send, rate, seconds)
+
+
+def loaded(url: str, rate: float, seconds: float, clients: int) -> dict:
+    """over_http from `clients` processes at rate/clients each, started together; pooled."""
+    start_at = time.time() + 3.0  # after every process has imported what it needs
+    procs = [subprocess.Popen(
+        [sys.executable, __file__, "--load", url, "--rate", str(rate / clients), "--seconds",
+         str(seconds), "--offset", str(k * 10_000_000), "--start-at", str(start_at)],
+        stdout=subprocess.PIPE, text=True) for k in range(clients)]
+    results = [json.loads(p.communicate(timeout=seconds + 300)[0]) for p in procs]
+    return summary([ms for r in results for ms in r["latencies"]],
+                   sum(r["failed"] for r in results), max(r["elapsed_s"] for r in results))
+
+
+def load(args: argparse.Namespace) -> None:
+    """One loader process of `loaded`: its raw results on stdout."""
+    time.sleep(max(0.0, args.start_at - time.time()))
+    print(json.dumps(asyncio.run(over_http(args.load, float(args.rate), args.seconds,
+                                           args.offset))))
+
+
+def cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system) the processes and their children have used so far."""
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc = psutil.Process(pid)
+            for p in [proc, *proc.children(recursive=True)]:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    times = p.cpu_times()
+                    total += times.user + times.system
+    return total
 
 
 async def through_score_one(config: Path, rate: float, seconds: float, wait_ms: float) -> dict:
@@ -131,46 +178,61 @@ def start(cmd: list[str], log: Path, env: dict, ready_url: str, timeout_s: float
 
 
 def gateway(stack: contextlib.ExitStack, config: Path, directory: Path,
-            wait_ms: float = 2.0) -> str:
+            wait_ms: float = 2.0) -> tuple[str, int]:
+    """A gateway's URL and pid."""
     port = free_port()
     proc = start([sys.executable, "-m", "qreward_queue.cli", "gateway", "--port", str(port),
                   "--chat-max-wait-ms", str(wait_ms)],
                  directory / f"gateway-{port}.log", {"QRQ_CONFIG": str(config)},
                  f"http://127.0.0.1:{port}/health")
     stack.callback(lambda: (proc.terminate(), proc.wait(10)))
-    return f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{port}", proc.pid
 
 
 def qrq_stack(stack: contextlib.ExitStack, directory: Path, judge_url: str, rpm: float,
-              gateways: int, wait_ms: float = 2.0) -> tuple[Path, list[str]]:
+              gateways: int, wait_ms: float = 2.0) -> tuple[Path, list[str], dict[str, int]]:
+    """A worker and `gateways` gateways; their URLs, and the pids of the worker and the
+    first gateway."""
     import redis
 
     redis.Redis.from_url(REDIS).flushdb()
     config = write_config(directory, {"judge": judge_backend(
         judge_url, rpm=rpm, max_concurrent=256, concurrency=8, calls=128)}, REDIS,
         route="judge", deadline_s=60)
-    for worker in start_workers(config, [("judge", "judge@bench")]):
-        stack.callback(worker.kill)
-    return config, [gateway(stack, config, directory, wait_ms) for _ in range(gateways)]
+    [worker] = start_workers(config, [("judge", "judge@bench")])
+    stack.callback(worker.kill)
+    urls, pids = zip(*(gateway(stack, config, directory, wait_ms) for _ in range(gateways)),
+                     strict=True)
+    return config, list(urls), {"gateway": pids[0], "worker": worker.proc.pid}
 
 
-def added_latency(args: argparse.Namespace) -> dict:
+def added_latency(args: argparse.Namespace) -> list[dict]:
+    rows = []
     with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
         judge = stack.enter_context(spawn(MockJudgeSettings(latency_ms=20, latency_cv=0)))
-        config, [url] = qrq_stack(stack, Path(tmp), judge.url, 0, 1, args.wait_ms)
+        config, [url], pids = qrq_stack(stack, Path(tmp), judge.url, 0, 1, args.wait_ms)
         chat = url + "/v1/chat/completions"
-        asyncio.run(over_http(chat, args.rate, 2.0))  # warm up: connections, worker threads
-        direct = asyncio.run(over_http(judge.url + "/v1/chat/completions", args.rate,
-                                       args.seconds))
-        core = asyncio.run(through_score_one(config, args.rate, args.seconds, args.wait_ms))
-        via = asyncio.run(over_http(chat, args.rate, args.seconds))
-    return {"benchmark": "gateway_added_latency", "rate": args.rate, "seconds": args.seconds,
-            "max_wait_ms": args.wait_ms,
-            "direct": direct, "score_one": core, "gateway": via,
-            "gateway_over_score_one_p50_ms": round(via["p50_ms"] - core["p50_ms"], 2),
-            "gateway_over_score_one_p99_ms": round(via["p99_ms"] - core["p99_ms"], 2),
-            "added_p50_ms": round(via["p50_ms"] - direct["p50_ms"], 2),
-            "added_p99_ms": round(via["p99_ms"] - direct["p99_ms"], 2)}
+        loaded(chat, 100, 2.0, args.clients)  # warm up: connections, worker threads
+        for rate in map(float, args.rate.split(",")):
+            direct = loaded(judge.url + "/v1/chat/completions", rate, args.seconds, args.clients)
+            core = asyncio.run(through_score_one(config, rate, args.seconds, args.wait_ms))
+            core.pop("latencies"), core.pop("elapsed_s")
+            before = {name: cpu_s([pid]) for name, pid in pids.items()}
+            via = loaded(chat, rate, args.seconds, args.clients)
+            cpu_ms = {f"{name}_cpu_ms_per_request": round(
+                (cpu_s([pid]) - before[name]) * 1000 / max(1, via["n"]), 3)
+                for name, pid in pids.items()}
+            for path in (direct, core, via):  # else its latency is its queue's
+                path["kept_up"] = path["answered_rate"] >= 0.95 * rate
+            rows.append({
+                "benchmark": "gateway_added_latency", "rate": rate, "seconds": args.seconds,
+                "clients": args.clients, "max_wait_ms": args.wait_ms,
+                "direct": direct, "score_one": core, "gateway": via, **cpu_ms,
+                "gateway_over_score_one_p50_ms": round(via["p50_ms"] - core["p50_ms"], 2),
+                "gateway_over_score_one_p99_ms": round(via["p99_ms"] - core["p99_ms"], 2),
+                "added_p50_ms": round(via["p50_ms"] - direct["p50_ms"], 2),
+                "added_p99_ms": round(via["p99_ms"] - direct["p99_ms"], 2)})
+    return rows
 
 
 CLIENT = """
@@ -267,8 +329,13 @@ def side_by_side(args: argparse.Namespace) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rate", type=float, default=500.0)
+    parser.add_argument("--rate", default="500",
+                        help="requests/s offered; a comma-separated list runs each in turn")
     parser.add_argument("--seconds", type=float, default=6.0)
+    parser.add_argument("--clients", type=int, default=4, help="client processes")
+    parser.add_argument("--load", help=argparse.SUPPRESS)  # a client process's target URL
+    parser.add_argument("--offset", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--start-at", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--wait-ms", type=float, default=2.0,
                         help="the micro-batchers' longest wait (gateway: --chat-max-wait-ms)")
     parser.add_argument("--side-by-side", action="store_true")
@@ -277,7 +344,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    rows = side_by_side(args) if args.side_by_side else [added_latency(args)]
+    if args.load:
+        return load(args)
+    rows = side_by_side(args) if args.side_by_side else added_latency(args)
     for row in rows:
         print(json.dumps(row) if args.json else row)
 

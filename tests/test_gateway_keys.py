@@ -10,7 +10,9 @@ from support import write_config
 
 from qreward_queue.config import load_config
 from qreward_queue.errors import ConfigError
+from qreward_queue.flow.spend import Usage
 from qreward_queue.integrations.gateway_keys import Job, Keys
+from qreward_queue.integrations.job_spend import JobLedger, job_rows
 from qreward_queue.priority import Priority
 from qreward_queue.settings import GatewaySettings
 
@@ -83,3 +85,19 @@ def test_a_pasted_key_in_keys_env_is_refused(tmp_path):
         fh.write(f'[gateway]\nkeys_env = "{SECRET}"\n')
     with pytest.raises(ConfigError, match=r"gateway\.keys_env: expected the NAME"):
         load_config(config)
+
+
+@pytest.mark.parametrize("budget", ["", "[gateway.budget.team-a]\ntokens_total = 1000\n"])
+def test_a_jobs_spend_reaches_redis_with_or_without_a_budget(tmp_path, redis_client, redis_url,
+                                                             budget):
+    config = write_config(tmp_path, {}, redis_url)
+    with config.open("a") as fh:
+        fh.write(budget)
+    ledger = JobLedger(redis_client, load_config(config))
+    ledger.spent("team-a", None, Usage(30, 5))
+    ledger.spent("team-a", None, Usage(10, 5))
+    ledger.flush()
+    [row] = job_rows(redis_client)
+    assert row["job"] == "team-a" and row["total"]["calls"] == 2
+    assert (row["total"]["tokens_in"], row["total"]["tokens_out"]) == (40, 10)
+    assert ledger.refusal("team-a") is None

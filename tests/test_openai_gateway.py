@@ -262,6 +262,10 @@ def test_errors_come_in_openais_shape_and_status(gateway):
     # the judge refused the request itself (a 400 of its own): a 400 quoting it
     with pytest.raises(openai.BadRequestError, match="refused"):
         chat.create(model="judge", messages=[{"role": "user", "content": "[[mock:400]]"}])
+    # legacy completions (and any other /v1 call): a 404 in OpenAI's shape saying what is served
+    with pytest.raises(openai.NotFoundError, match=r"POST /v1/completions is not served") as old:
+        client(gateway).completions.create(model="judge", prompt="x")
+    assert old.value.code == "unknown_url"
     models = [m.id for m in client(gateway).models.list()]
     assert "judge" in models and "cached" in models
 

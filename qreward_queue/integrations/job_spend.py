@@ -85,7 +85,8 @@ class JobLedger:
                 for job in budgeted:
                     pipe.hgetall(keys.job_spend(job))
                     pipe.hgetall(keys.job_spend(job, hour))
-                read = pipe.execute()[-2 * len(budgeted):] if budgeted else []
+                done = pipe.execute()  # always: the writes are in it, reads or not
+                read = done[len(done) - 2 * len(budgeted):]
         except (redis.RedisError, OSError):
             with self._lock:
                 for slot, values in tally.items():

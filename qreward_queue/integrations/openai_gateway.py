@@ -6,6 +6,8 @@
                                 budgets, retries and failover. The reply is the judge's own
                                 JSON, byte for byte (its usage, its model name).
     GET  /v1/models             the routes a request may name
+    any other /v1/...           404 in OpenAI's shape (`/v1/completions` included: judges
+                                are called through their chat endpoint only)
 
 Per request: `X-Qrq-Priority: val|train|bulk` (limited to the caller's key, see
 gateway_keys.py), `X-Qrq-Deadline-S` (else [defaults] deadline_s). With `cache = true` on the
@@ -77,6 +79,7 @@ class ChatCompletions:
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_route("*", "/v1/{tail:.*}", unserved)  # after the two served ones
 
     async def models(self, request: web.Request) -> web.Response:
         self.job_of(request)
@@ -144,6 +147,16 @@ class ChatCompletions:
             raise ApiError(503, f"no live worker serves route {route.name!r} (backends: "
                            f"{', '.join(route.backends)}): start `qrq worker` for one",
                            "server_error", "no_worker", headers={"Retry-After": "5"})
+
+
+async def unserved(request: web.Request) -> web.Response:
+    """Any other /v1 call (legacy `/v1/completions`, `/v1/responses`, embeddings...): a 404 in
+    OpenAI's shape that says what is served, not aiohttp's plain-text one a client cannot read.
+    Judges answer chat only (passthrough.py posts to their chat endpoint), so there is no
+    completions route to offer."""
+    raise ApiError(404, f"{request.method} {request.path} is not served: qrq's gateway serves "
+                        "POST /v1/chat/completions and GET /v1/models", "invalid_request_error",
+                   "unknown_url")
 
 
 def _servable(name: str) -> str | None:
