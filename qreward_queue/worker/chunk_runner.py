@@ -41,7 +41,8 @@ from .retry import RetryPolicy, Tries, time_left_s
 STRAGGLER_FACTOR = 4.0
 STRAGGLER_MIN_S = 1.0
 STRAGGLER_SHARE = 0.1  # at most this share of a chunk's calls (at least one) is handed off
-HANDOFF_GRACE_S = 1.0  # past a handed-off call's timeout: its outcome is recorded by then
+HANDOFF_GRACE_S = 5.0  # past a handed-off call's timeout: its outcome is recorded by then, even
+# on a loaded machine (the task coming back earlier would call it again)
 STRAGGLER_CHECK_S = 0.25
 
 
