@@ -60,9 +60,10 @@ class JudgeTimeline:
 
 def run_freeze(directory: Path, hold_s: float = 20.0, samples: int = SAMPLES,
                thaw_early: bool = True) -> dict:
-    """Freeze the primary once a third of `samples` is scored; thaw it at the first sample
-    scored through the new primary (`thaw_early`: but not before THAW_AFTER_S) or `hold_s`
-    after the promotion; the figures."""
+    """Freeze the primary once a third of `samples` is scored; thaw it once a sample is scored
+    through the new primary (`hold_s` after the promotion without one), not before THAW_AFTER_S
+    from the freeze (`thaw_early` False: `hold_s` after the promotion in any case); the
+    figures."""
     with contextlib.ExitStack() as stack:
         cluster = SentinelCluster(directory).start()
         stack.callback(cluster.stop)
