@@ -17,6 +17,7 @@ import redis.asyncio
 from celery import Celery
 from celery.signals import task_received, worker_ready
 from kombu import Queue
+from kombu.transport import redis as kombu_redis
 
 from . import keys, kombu_fix, redis_conn
 from .config import Backend, Config
@@ -29,11 +30,17 @@ from .ops.liveness import HEARTBEAT_S, HELD_TTL_S
 from .priority import Priority
 
 kombu_fix.install()  # a Redis restart must not kill the worker (see kombu_fix)
+# the broker's connections follow the sentinels' view too (see redis_conn.FollowingConnection)
+kombu_redis.SentinelChannel.connection_class = redis_conn.FollowingConnection
 
 EMBEDDED_FINISH_DELAY_S = 0.01
-REDIS_READ_TIMEOUT_S = 3.0  # qrq's own Redis reads (client polls, limiter, cache)
+REDIS_READ_TIMEOUT_S = 3.0  # every Redis command's reply, qrq's and Celery's (blocking reads less)
+# A connection idle longer than this is checked before use (redis-py), and kombu drops a
+# consumer's BRPOP whose reply is this overdue: a frozen primary is left within seconds, for
+# the one the sentinels name now (see redis_conn).
+REDIS_HEALTH_CHECK_S = 2
 STORE_CONNECTION = {"socket_timeout": REDIS_READ_TIMEOUT_S, "socket_connect_timeout": 5,
-                    "health_check_interval": 30}
+                    "health_check_interval": REDIS_HEALTH_CHECK_S}
 
 
 class QrqCelery(Celery):
@@ -120,8 +127,9 @@ def celery_settings(config: Config) -> dict:
         "global_keyprefix": keys.PREFIX,
         "visibility_timeout": config.visibility_timeout_s,
         "unacked_restore_throttle": 1,
-        "socket_timeout": 10,
+        "socket_timeout": REDIS_READ_TIMEOUT_S,  # kombu's BRPOP waits 1 s in Redis
         "socket_connect_timeout": 5,
+        "health_check_interval": REDIS_HEALTH_CHECK_S,
     }
     settings = {
         "task_serializer": "json",
@@ -159,7 +167,7 @@ def celery_settings(config: Config) -> dict:
     else:
         settings.update(
             **redis_conn.celery_settings(config, transport, {"global_keyprefix": keys.PREFIX}),
-            redis_backend_health_check_interval=30,
+            redis_backend_health_check_interval=REDIS_HEALTH_CHECK_S,
             # a result read never hangs on a dead (or frozen) Redis: the client's deadline
             # holds to within this
             redis_socket_timeout=REDIS_READ_TIMEOUT_S,

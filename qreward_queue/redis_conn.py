@@ -3,8 +3,10 @@
 Every Redis user (Celery's broker and result backend, the limiter, cache, liveness, breaker,
 dead letters, the client's polls, `qrq status`, the exporter) connects through here, so a
 Sentinel deployment follows a failover everywhere at once: each connection asks the
-sentinels for the current primary when it (re)connects, and a primary demoted to replica is
-dropped on its first READONLY reply (redis-py's `SentinelManagedConnection`).
+sentinels for the current primary when it (re)connects, a primary demoted to replica is
+dropped on its first READONLY reply (redis-py's `SentinelManagedConnection`), and a connection
+idle past its health check asks the sentinels again before it is used (`Following*`): a frozen
+primary that comes back still says it is the primary for seconds, until they demote it.
 
 The URL form is Celery's: `sentinel://[:pw@]h1:26379;sentinel://h2:26379/0`, the service
 (master) name coming from `[redis] service_name` or `QRQ_REDIS_SERVICE_NAME`, as Celery takes
@@ -13,7 +15,9 @@ it from the `master_name` transport option.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeGuard
 from urllib.parse import quote, urlsplit
@@ -21,7 +25,8 @@ from urllib.parse import quote, urlsplit
 import redis
 import redis.asyncio
 import redis.asyncio.sentinel
-from redis.sentinel import Sentinel
+from redis.asyncio.sentinel import SentinelManagedConnection as AsyncSentinelConnection
+from redis.sentinel import Sentinel, SentinelManagedConnection
 
 from .redact import redact_url
 
@@ -33,6 +38,39 @@ SEPARATOR = ";"  # between the sentinels of one URL, as kombu and Celery split i
 DEFAULT_SENTINEL_PORT = 26379
 SERVICE_ENV = "QRQ_REDIS_SERVICE_NAME"
 SENTINEL_TIMEOUT_S = 2.0  # one sentinel's answer; the next one is asked after this
+
+
+class FollowingConnection(SentinelManagedConnection):
+    """A primary's connection that, used after an idle spell past its health check, first asks
+    the sentinels whether its server is still the primary and reconnects to the one they name
+    if not. Without this a pooled (or pub/sub) connection to a primary that froze and came back
+    works on it: it answers PING and says it is the primary until the sentinels demote it."""
+
+    _confirmed = 0.0  # when (monotonic) the sentinels were last asked about this server
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        now = time.monotonic()
+        if (self._sock is not None and self.health_check_interval
+                and now > max(self.next_health_check, self._confirmed + self.health_check_interval)
+                and self.connection_pool.is_master):
+            self._confirmed = now  # the health check's own PING comes through here too
+            if self.connection_pool.get_master_address() != (self.host, self.port):
+                self.disconnect()
+                self.connect()
+        super().send_packed_command(command, check_health)
+
+
+class AsyncFollowingConnection(AsyncSentinelConnection):
+    """`FollowingConnection` for redis-py's asyncio client."""
+
+    async def check_health(self) -> None:
+        if (self.health_check_interval
+                and asyncio.get_running_loop().time() > self.next_health_check
+                and self.connection_pool.is_master
+                and await self.connection_pool.get_master_address() != (self.host, self.port)):
+            await self.disconnect()
+            await self.connect()
+        await super().check_health()
 
 
 def is_sentinel(url: str | None) -> TypeGuard[str]:
@@ -118,22 +156,24 @@ def _sentinel(config: Config, kind: type[Any] = Sentinel, **connection: Any) -> 
 
 def connect(config: Config, **connection: Any) -> redis.Redis:
     """A client of the current primary (`connection`: redis-py options such as timeouts)."""
-    return _connect(config, redis.Redis, Sentinel, connection)
+    return _connect(config, redis.Redis, Sentinel, FollowingConnection, connection)
 
 
 def connect_async(config: Config, **connection: Any) -> redis.asyncio.Redis:
     """`connect` for an event loop (redis-py's asyncio client, bound to the loop using it)."""
-    return _connect(config, redis.asyncio.Redis, redis.asyncio.sentinel.Sentinel, connection)
+    return _connect(config, redis.asyncio.Redis, redis.asyncio.sentinel.Sentinel,
+                    AsyncFollowingConnection, connection)
 
 
-def _connect(config: Config, plain: type[Any], sentinel: type[Any],
+def _connect(config: Config, plain: type[Any], sentinel: type[Any], follower: type[Any],
              connection: dict[str, Any]) -> Any:
     if not is_sentinel(config.redis_url):
         password = _env(config.redis_password_env)
         if password:
             connection["password"] = password
         return plain.from_url(_url(config), **connection)
-    return _sentinel(config, sentinel, **connection).master_for(config.redis_service_name)
+    return _sentinel(config, sentinel, **connection).master_for(
+        config.redis_service_name, connection_class=follower)
 
 
 def celery_settings(config: Config, transport: dict[str, Any],

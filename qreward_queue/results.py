@@ -8,6 +8,8 @@ from __future__ import annotations
 from celery.backends.cache import CacheBackend
 from celery.backends.redis import RedisBackend, SentinelBackend
 
+from .redis_conn import FollowingConnection
+
 
 class _NoRetryState:
     """Result stores that skip the RETRY state, which the client never reads.
@@ -32,7 +34,11 @@ class QrqRedisBackend(_NoRetryState, RedisBackend):
 
 
 class QrqSentinelBackend(QrqRedisBackend, SentinelBackend):
-    """The same result store on the current primary of a Sentinel group."""
+    """The same result store on the current primary of a Sentinel group (its connections
+    follow the sentinels' view, see redis_conn.FollowingConnection)."""
+
+    def _get_pool(self, **params):
+        return super()._get_pool(**{**params, "connection_class": FollowingConnection})
 
 
 class QrqCacheBackend(_NoRetryState, CacheBackend):

@@ -8,7 +8,10 @@ sees a failover within seconds.
 from __future__ import annotations
 
 import contextlib
+import signal
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import redis
@@ -70,6 +73,13 @@ class SentinelCluster:
         host, port = node.sentinel_get_master_addr_by_name(SERVICE)
         return host.decode() if isinstance(host, bytes) else host, int(port)
 
+    def freeze(self, port: int) -> None:
+        """SIGSTOP: the process holds its sockets open and answers nothing (a hung host)."""
+        self.procs[port].send_signal(signal.SIGSTOP)
+
+    def thaw(self, port: int) -> None:
+        self.procs[port].send_signal(signal.SIGCONT)
+
     def kill(self, port: int) -> None:
         proc = self.procs[port]
         if proc.poll() is None:
@@ -79,6 +89,33 @@ class SentinelCluster:
     def stop(self) -> None:
         for port in list(self.procs):
             self.kill(port)
+
+
+class PromotionWatch:
+    """When the sentinels announced a new primary (`+switch-master`), on the monotonic clock."""
+
+    def __init__(self, cluster: SentinelCluster):
+        self.at: float | None = None
+        self._seen = threading.Event()
+        self._pubsub = redis.Redis(port=cluster.sentinel_ports[0]).pubsub()
+        self._pubsub.subscribe(**{"+switch-master": self._on_switch})
+        self._thread = self._pubsub.run_in_thread(sleep_time=0.05, daemon=True)
+
+    def _on_switch(self, message: dict) -> None:
+        if self.at is None:
+            self.at = time.monotonic()
+        self._seen.set()
+
+    def wait(self, timeout_s: float) -> float:
+        if not self._seen.wait(timeout_s):
+            raise AssertionError(f"no +switch-master within {timeout_s:g} s")
+        assert self.at is not None
+        return self.at
+
+    def stop(self) -> None:
+        self._thread.stop()
+        self._thread.join(5)
+        self._pubsub.close()
 
 
 def _ready(node: redis.Redis, sentinels: int) -> bool:

@@ -2,18 +2,19 @@
 
 A real primary, one replica and three `redis-sentinel`s on loopback ports of their own
 (tests/sentinel_cluster.py), real `qrq worker` processes and a mock judge enforcing the same
-rate limit as the backend's. The primary is SIGKILLed mid-batch; the sentinels promote the
-replica within a few seconds and every qrq connection follows it.
+rate limit as the backend's. The primary is SIGKILLed (or frozen with SIGSTOP) mid-batch; the
+sentinels promote the replica within a few seconds and every qrq connection follows it.
 """
 
 from __future__ import annotations
 
-import threading
+import asyncio
 import time
 
 import pytest
 import redis
-from sentinel_cluster import SERVICE, SentinelCluster
+from sentinel_cluster import SERVICE, PromotionWatch, SentinelCluster
+from sentinel_freeze import JudgeTimeline, run_freeze
 from support import (
     close_half_closed_channel,
     expected,
@@ -25,6 +26,8 @@ from support import (
 )
 
 import qreward_queue
+from qreward_queue import redis_conn
+from qreward_queue.app import STORE_CONNECTION
 from qreward_queue.errors import RedisUnreachable
 from qreward_queue.runtime import check_redis
 from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn
@@ -32,29 +35,6 @@ from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn
 N = 2000
 RPM = 4800  # 80 requests/s: the judge's limit and the backend's, so the limiter is what binds
 FALLBACK = -1.0
-
-
-class JudgeTimeline:
-    """The judge's own request counters, sampled every 50 ms from a thread."""
-
-    def __init__(self, judge):
-        self.judge, self.points, self._stop = judge, [], threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.05):
-            stats = self.judge.stats()
-            self.points.append((time.monotonic(), stats["requests"], stats["rate_limited"]))
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def at(self, t: float) -> tuple[int, int]:
-        """(requests, 429s) the judge had counted at time `t`."""
-        before = [(r, q) for when, r, q in self.points if when <= t]
-        return before[-1] if before else (0, 0)
 
 
 @pytest.mark.slow
@@ -125,6 +105,71 @@ def test_a_sentinel_failover_mid_batch_loses_no_reward(tmp_path, stack):
     assert all(o.status == "ok" for o in after_batch.outcomes())
     wait_for(lambda: all(tasks_received(w) > b for w, b in zip(workers, before, strict=True)),
              timeout_s=10, what="every worker consuming after the failover")
+
+
+FIRST_SAMPLE_BOUND_S = 5.0
+
+
+@pytest.mark.slow
+def test_a_frozen_primary_costs_seconds_and_its_demoted_self_serves_nobody(tmp_path):
+    # Given a batch running through two workers on a Sentinel group, when its primary freezes
+    # (SIGSTOP: sockets open, no answer) a third of the way, the replica is promoted, and
+    # the old primary is thawed once a sample has been scored through the new one
+    figures = run_freeze(tmp_path, hold_s=3 * FIRST_SAMPLE_BOUND_S)
+    logs = figures.pop("worker_logs")
+    print(f"\nfrozen primary: {figures}")
+    # Then a sample whose judge call was made after the promotion is scored within seconds
+    first = figures["first_sample_after_promotion_s"]
+    assert first is not None and first <= FIRST_SAMPLE_BOUND_S, figures
+    # and nobody took work from (or read from) the old primary once it was back
+    assert figures["old_primary_served"] == [], figures
+    # and every sample is scored, right: none lost
+    assert figures["statuses"] == {"ok": figures["samples"]}, figures
+    assert figures["wrong_scores"] == 0
+    assert figures["workers_alive"] and "Unrecoverable error" not in logs, logs
+
+
+def test_idle_connections_leave_a_primary_that_froze_and_came_back_for_the_new_one(
+    tmp_path, stack
+):
+    # Given qrq's blocking and asyncio clients of a Sentinel group, each with a pooled
+    # connection to the primary
+    cluster = SentinelCluster(tmp_path, sentinels=3).start()
+    stack.callback(cluster.stop)
+    config_path = write_config(tmp_path, {})
+    with config_path.open("a") as fh:
+        fh.write(f'[redis]\nurl = "{cluster.url}"\nservice_name = "{SERVICE}"\n')
+    config = qreward_queue.load_config(config_path)
+    client = redis_conn.connect(config, **STORE_CONNECTION)
+    old_host, old_port = cluster.primary()
+    old = redis.Redis(host=old_host, port=old_port)
+
+    async def scenario() -> None:
+        aclient = redis_conn.connect_async(config, **STORE_CONNECTION)
+        client.set("before", 1)
+        await aclient.set("before", 1)
+        # When the primary freezes, the replica is promoted, and the old primary comes back,
+        # still saying it is the primary (the sentinels demote it seconds later)
+        watch = PromotionWatch(cluster)
+        stack.callback(watch.stop)
+        cluster.freeze(old_port)
+        stack.callback(cluster.thaw, old_port)
+        watch.wait(30)
+        cluster.thaw(old_port)
+        assert old.execute_command("ROLE")[0] == b"master"
+        # and both clients write again on the connections they pooled before the freeze
+        client.set("after", 1)
+        await aclient.set("after-async", 1)
+        await aclient.aclose()
+
+    asyncio.run(scenario())
+    # Then the writes reached the new primary, not the old one
+    new_host, new_port = cluster.primary()
+    assert (new_host, new_port) != (old_host, old_port)
+    assert old.mget("after", "after-async") == [None, None]
+    assert old.execute_command("ROLE")[0] == b"master", "demoted before it could be read"
+    new = redis.Redis(host=new_host, port=new_port)
+    assert new.mget("after", "after-async") == [b"1", b"1"]
 
 
 def test_an_unknown_service_name_is_a_one_line_error(tmp_path, stack):

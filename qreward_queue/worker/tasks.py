@@ -13,6 +13,7 @@ score_chunk (message.py: its kwargs, checked) -> ChunkRunner (chunk_runner.py): 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from functools import partial, wraps
@@ -194,8 +195,10 @@ def _cancelled(done: list[dict | None], positions: list[int], why: str, backend:
 
 
 def _requeued(app, queue: str, n: int) -> None:
-    """The planner's count of samples waiting in `queue` (see capacity.QueuedSamples)."""
-    capacity.QueuedSamples.of(app).add({queue: n})
+    """The planner's count of samples waiting in `queue` (see capacity.QueuedSamples). Redis
+    away (a failover under way): the count is off by `n` until it fades, the chunk goes on."""
+    with contextlib.suppress(redis.RedisError, OSError):
+        capacity.QueuedSamples.of(app).add({queue: n})
 
 
 _keeper = liveness.HeldKeeper(liveness.HEARTBEAT_S)
