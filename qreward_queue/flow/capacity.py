@@ -45,9 +45,12 @@ class QueuedSamples:
         """The count `app` plans with (none in embedded mode)."""
         return cls(app.store, not app.qrq_config.embedded)
 
-    def add(self, samples: Mapping[str, int]) -> None:
+    def add(self, samples: Mapping[str, int], job: str | None = None,
+            level: int | None = None) -> None:
         """`samples[queue]` samples were published to (< 0: taken from) each queue; one
-        round trip. A count left behind by lost messages fades after QUEUED_TTL_S."""
+        round trip. A count left behind by lost messages fades after QUEUED_TTL_S. With `job`
+        and `level` (a worker's: the task's job and priority level), the job's own count on
+        that level, which its fair share is held to (trainer/shares.py), changes too."""
         changes = {queue: n for queue, n in samples.items() if n}
         if not (self.counting and changes):
             return
@@ -55,6 +58,8 @@ class QueuedSamples:
             for queue, n in changes.items():
                 pipe.incrby(keys.queued_samples(queue), n)
                 pipe.expire(keys.queued_samples(queue), QUEUED_TTL_S)
+                if job is not None and level is not None:
+                    pipe.hincrby(keys.share_keys(queue, level)["queued"], job, n)
             pipe.execute()
 
     def published(self, chunks: Iterable[Chunk], config: Config) -> None:
