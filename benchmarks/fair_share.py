@@ -3,8 +3,8 @@
     python benchmarks/fair_share.py [--json] [--no-gate] [--both]
 
 One mock judge allows 3000 rpm (50/s; one second's worth in its bucket), 64 in flight, latency
-200 ms; the backend file says the same rpm; 2 `qrq worker` processes, 2 chunk tasks at once
-each (chunks of 13 samples at 3000 rpm: what runs beside the queue is ~1 s of work). Three
+200 ms; the backend file says the same rpm; 2 `qrq worker` processes, one chunk task at once
+each (chunks of 13 samples at 3000 rpm: what runs beside the queue is ~0.5 s of work). Three
 jobs with weights 1, 1, 2 (`[jobs.<job>] weight`) submit `train` batches from three separate
 processes, each keeping two batches of BATCH samples in flight:
 
@@ -53,6 +53,7 @@ VAL = 100
 WINDOW_S = 5.0
 WORKERS = 2
 CALLS = 16  # calls in flight per worker: 50/s x 0.2 s x 3 over 2 workers
+TASKS = 1  # chunk tasks each worker runs at once: what runs beside the queue stays small
 
 
 def log(message: str) -> None:
@@ -102,9 +103,10 @@ def run(gate: bool) -> dict:
     flush_redis()
     with tempfile.TemporaryDirectory(prefix="qrq-fair-") as tmp, spawn(MockJudgeSettings(
             rpm=SERVER_RPM, max_concurrent=64, latency_ms=200.0, latency_cv=0.5)) as mock:
-        path = write_config(Path(tmp), {BACKEND: judge_config(
-            mock.url, rpm=SERVER_RPM, max_concurrent=64, calls=CALLS)},
-            redis_url=REDIS_URL, route=BACKEND, deadline_s=300)
+        backend = judge_config(mock.url, rpm=SERVER_RPM, max_concurrent=64, calls=CALLS)
+        backend["pool"]["concurrency"] = TASKS
+        path = write_config(Path(tmp), {BACKEND: backend}, redis_url=REDIS_URL, route=BACKEND,
+                            deadline_s=300)
         jobs = [f"[jobs.{j}]\nweight = {w}" for j, w in WEIGHTS.items()]
         path.write_text(path.read_text() + f"[jobs]\nfair_shares = {str(gate).lower()}\n"
                         + "\n".join(jobs) + "\n")
@@ -148,7 +150,8 @@ def figures(got: dict, gate: bool) -> dict:
                         "use_of_limit": round(total / WINDOW_S / LIMIT_PER_S, 3)})
         start += WINDOW_S
     want = {j: 100 * w / sum(WEIGHTS.values()) for j, w in WEIGHTS.items()}
-    worst = max((abs(w["shares_pct"][j] - want[j]) for w in windows for j in want), default=None)
+    worst = max((round(abs(w["shares_pct"][j] - want[j]), 1) for w in windows for j in want),
+                default=None)
     late = None
     t = first["c"]
     while t < first["c"] + 20:
@@ -158,6 +161,7 @@ def figures(got: dict, gate: bool) -> dict:
         if total and 100 * c / total >= want["c"] - 5:
             late = round(t - first["c"], 2)
             break
+    late_first = min((t for t in everyone["c"] if t >= first["c"]), default=None)
     val_span = got["a"]["val_span"]
     val = None
     if len(val_span) == 2:
@@ -172,7 +176,10 @@ def figures(got: dict, gate: bool) -> dict:
     return {"gate": gate, "alone_share_of_limit": round(alone / LIMIT_PER_S, 3),
             "windows": windows, "worst_share_miss_points": worst,
             "min_use_of_limit": min((w["use_of_limit"] for w in windows), default=None),
-            "late_join_s": late, "val": val}
+            "late_join_s": late,
+            "late_first_outcome_s": None if late_first is None else round(late_first - first["c"],
+                                                                          2),
+            "val": val}
 
 
 def show(result: dict) -> None:
@@ -184,8 +191,9 @@ def show(result: dict) -> None:
         s = w["shares_pct"]
         print(f"  {w['from_s']:5.1f}-{w['from_s'] + WINDOW_S:5.1f} s: a {s['a']:5.1f} %  "
               f"b {s['b']:5.1f} %  c {s['c']:5.1f} %   use of the limit {w['use_of_limit']:.1%}")
-    print(f"  worst miss of a share: {result['worst_share_miss_points']} points; "
-          f"late job c at its share after: {result['late_join_s']} s")
+    print(f"  worst miss of a share: {result['worst_share_miss_points']} points; late job c: "
+          f"first outcome after {result['late_first_outcome_s']} s, at its share (trailing "
+          f"second) after {result['late_join_s']} s")
     if result["val"]:
         v = result["val"]
         print(f"  a's val batch ({v['samples']} samples): {v['wall_s']} s (the limit alone: "

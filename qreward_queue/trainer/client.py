@@ -295,14 +295,15 @@ class RewardBatch:
         else:
             self._publish(messages)
 
-    def publish(self, messages: dict[str, Chunk]) -> bool:
-        """The gate's turn for `messages`: sent unless the batch no longer waits for them."""
+    def publish(self, messages: dict[str, Chunk]) -> int:
+        """The gate's turn for `messages`: those the batch still waits for are sent; returns
+        the samples of the others (not sent)."""
         with self._lock:
             wanted = {t: c for t, c in messages.items() if t in self._held and t in self._pending}
             self._held.difference_update(messages)
             if wanted:
                 self._publish(wanted)
-        return len(wanted) == len(messages)
+        return sum(len(c.indices) for t, c in messages.items() if t not in wanted)
 
     def _publish(self, messages: dict[str, Chunk]) -> None:
         placement = self._placement

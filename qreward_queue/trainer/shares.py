@@ -18,7 +18,6 @@ nothing, it makes no call. Embedded mode, and `[jobs] fair_shares = false`, have
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -51,8 +50,8 @@ MAX_ASKED = 64  # chunks offered per check (more are not granted in one depth an
 class Owner(Protocol):
     """A batch whose chunks the gate holds."""
 
-    def publish(self, messages: dict[str, Chunk]) -> bool:
-        """Send `messages` now; False when the batch no longer wants them (cancelled)."""
+    def publish(self, messages: dict[str, Chunk]) -> int:
+        """Send those of `messages` the batch still waits for; the samples of the others."""
 
 
 @dataclass(frozen=True)
@@ -141,10 +140,9 @@ class Gate:
             by_owner.setdefault(id(h.owner), (h.owner, {}))[1][h.task_id] = h.chunk
         unused = sum(sizes[:granted]) - sum(len(h.chunk.indices) for h in taken)
         for owner, messages in by_owner.values():
-            sent = False
-            with contextlib.suppress(redis.RedisError, OSError):  # its watchdog sends again
-                sent = owner.publish(messages)
-            if not sent:
+            try:
+                unused += owner.publish(messages)
+            except (redis.RedisError, OSError):  # none sent: the batch's watchdog sends again
                 unused += sum(len(c.indices) for c in messages.values())
         if unused:  # booked but not published: give the share back
             self.app.store.hincrby(names["queued"], job, -unused)
@@ -162,7 +160,10 @@ class Gate:
             self._wake.wait()
             self._wake.clear()
             while self.held():
-                self.check()
+                try:
+                    self.check()
+                except Exception:  # a held chunk's deadline still holds; the gate goes on
+                    log.exception("qrq: the fair-share gate met an error (it goes on)")
                 time.sleep(CHECK_EVERY_S)
 
 
