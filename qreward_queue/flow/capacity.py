@@ -5,7 +5,7 @@ its circuit is open) and the samples already waiting in its queue (`QueuedSample
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from .. import keys
 from ..settings import Config, Route
@@ -94,10 +94,14 @@ def of(app, names: list[str]) -> tuple[list[float], list[float]]:
     return rates, [count.read(app.backend_config(b).queue) for b in names]
 
 
-def route_shares(app, route: Route, n: int) -> list[float]:
-    """How many of `n` new samples each backend of `route` should get (weight x free capacity)."""
+def route_shares(app, route: Route, n: int,
+                 held: Callable[[str], int] | None = None) -> list[float]:
+    """How many of `n` new samples each backend of `route` should get (weight x free capacity);
+    `held(backend)`: samples this process holds back for it (fair shares), counted as queued."""
     if len(route.backends) == 1:
         return [1.0]
     rates, queued = of(app, list(route.backends))
+    if held is not None:
+        queued = [q + held(b) for q, b in zip(queued, route.backends, strict=True)]
     weighted = [w * r for w, r in zip(route.weights, rates, strict=True)]
     return water_fill(n, weighted, queued)

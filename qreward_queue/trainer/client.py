@@ -530,8 +530,10 @@ def submit_batch(
         if abandoned.is_set():
             return batch
         wanted = set(todo)
+        gate = shares.gate(app)
+        held = gate.held_samples if gate is not None else None
         batch.send(batch.vote(todo) if the_route.votes else
-                   plan(config, the_route, todo, route_shares(app, the_route, len(todo)),
+                   plan(config, the_route, todo, route_shares(app, the_route, len(todo), held),
                         [unit for unit in whole if unit[0] in wanted]))
         return batch
 

@@ -105,6 +105,13 @@ class Gate:
         with self._lock:
             return sum(map(len, self._held.values()))
 
+    def held_samples(self, backend: str) -> int:
+        """Samples this process holds for `backend` (any level, any job): the planner counts
+        them as queued there (other processes' held samples it cannot see)."""
+        with self._lock:
+            return sum(len(h.chunk.indices) for (name, _, _), queue in self._held.items()
+                       if name == backend for h in queue)
+
     def check(self, only: set[tuple[str, int, str]] | None = None) -> None:
         """One look per slot (`only` those) holding chunks: publish what each job's share
         allows."""
