@@ -292,3 +292,15 @@ def test_a_job_at_its_budget_queues_nothing(tmp_path, redis_url):
     with pytest.raises(JobBudgetExceeded, match=r"budget tokens_total = 100 of job 'capped'"):
         qreward_queue.submit_batch([{"prompt": "p", "response": "r"}], app=app, job="capped")
     assert app.store.hlen(keys.share_keys(app.qrq_config.backend("j").queue, 6)["queued"]) == 0
+
+
+def test_a_backend_without_an_rpm_limit_gets_every_chunk_at_submit(tmp_path, redis_url):
+    # its rate is unknown (a concurrency is not a rate): there is no depth to share
+    config = write_config(tmp_path, {"j": judge_backend("http://127.0.0.1:9", rpm=0)},
+                          redis_url=redis_url, route="j")
+    app = qreward_queue.configure(str(config))
+    batch = qreward_queue.submit_batch([{"prompt": f"p{i}", "response": "r"} for i in range(200)],
+                                       app=app, job="solo")
+    assert capacity.queue_depth(app.store, app.qrq_config.backend("j").queue) > 2
+    assert capacity.QueuedSamples(app.store).read("qrq.j") == 200
+    batch.cancel()

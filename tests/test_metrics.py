@@ -74,7 +74,7 @@ def test_worker_counters_add_up_to_the_batch(tmp_path, redis_url, stack):
     exact_batch = qrq.submit_batch(exact, route="exact", priority="val", app=app)
     # Then the exporter shows them queued, by backend and priority
     page = wait_for(lambda: try_scrape(exporter_port), 30, "the exporter")
-    # 120 samples in chunks of 3 (0.125 s of the rpm), 100 in chunks of 8
+    # 120 samples in chunks of 5 (0.25 s of the rpm), 100 in chunks of 8
     assert total(page, "qrq_queue_depth", backend="ja", priority="train") == 24
     assert total(page, "qrq_queue_depth", backend="fx", priority="val") == 13  # 100 / 8 per task
     assert total(page, "qrq_max_concurrent", backend="ja") == 8

@@ -277,23 +277,24 @@ class RewardBatch:
         return plan_dealt(self.app.qrq_config, self._placement.vote(self.route, todo))
 
     def send(self, chunks: list[Chunk]) -> None:
-        """Publish one score_chunk task per chunk, or hand them to the process's gate (fair
-        shares between jobs: shares.py), which publishes them as the job's share allows; the
-        process's reader collects them."""
+        """Publish one score_chunk task per chunk; a chunk for a backend with a rate limit goes
+        through the process's gate (fair shares between jobs: shares.py), which publishes it
+        as the job's share allows. The process's reader collects them."""
         if not chunks:
             return
         messages = {uuid.uuid4().hex: chunk for chunk in chunks}
+        gate = self._gate
+        held = {t: c for t, c in messages.items() if gate is not None and gate.shares(c.backend)}
         with self._lock:
             self._settled.clear()
             self._pending.update(messages)  # unsent, they are found lost and sent again
             self._task_of.update((p, t) for t, c in messages.items() for p in c.indices)
-            if self._gate is not None:
-                self._held.update(messages)
+            self._held.update(held)
         self._reader.add(self)
-        if self._gate is not None:
-            self._gate.hold(self, self.priority, self.job, messages)
-        else:
-            self._publish(messages)
+        if gate is not None and held:
+            gate.hold(self, self.priority, self.job, held)
+        if len(held) < len(messages):
+            self._publish({t: c for t, c in messages.items() if t not in held})
 
     def publish(self, messages: dict[str, Chunk]) -> int:
         """The gate's turn for `messages`: those the batch still waits for are sent; returns

@@ -13,7 +13,9 @@ active job's count, grants whole chunks and books them, so that two processes of
 not both use its share. Workers take a job's samples off as they start its tasks
 (capacity.QueuedSamples with the message's job). While the process holds chunks it checks
 every CHECK_EVERY_S, one script call per (backend, level, job) it holds chunks for; holding
-nothing, it makes no call. Embedded mode, and `[jobs] fair_shares = false`, have no gate.
+nothing, it makes no call. Embedded mode, and `[jobs] fair_shares = false`, have no gate;
+a backend without an rpm limit (a local function, a judge limited by concurrency only) has no
+rate to size the depth by, and its chunks are queued at once.
 """
 
 from __future__ import annotations
@@ -73,6 +75,11 @@ class Gate:
         self._held: dict[tuple[str, int, str], deque[Held]] = {}
         self._rates: dict[str, tuple[float, float]] = {}  # backend -> (read at, samples/s)
         self._thread: threading.Thread | None = None
+
+    def shares(self, backend: str) -> bool:
+        """Whether `backend`'s queue is shared by the gate: only a backend with an rpm limit
+        has a rate to size the depth by (without one, its chunks are queued at once)."""
+        return bool(self.app.qrq_config.backend(backend).limits.rpm)
 
     def hold(self, owner: Owner, level: int, job: str, messages: dict[str, Chunk]) -> None:
         """Publish `messages` (task id -> chunk) as `job`'s share on each queue allows: what
