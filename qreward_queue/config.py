@@ -23,6 +23,7 @@ from .flow.ratelimit_headers import DEFAULT_MAX_PAUSE_S
 from .injection import ON_INJECTION
 from .settings import (
     BUSY_TASKS,
+    DEFAULT_JOB,
     DEFAULT_SCORE_PATTERN,
     DEFAULT_TEMPLATE,
     MAX_PROCESS_CALLS,
@@ -33,6 +34,8 @@ from .settings import (
     Budget,
     Config,
     GatewaySettings,
+    Jobs,
+    JobSettings,
     Limits,
     Pool,
     Price,
@@ -40,6 +43,7 @@ from .settings import (
     Route,
     advised_calls,
     config_not_found,
+    job_problem,
 )
 from .toml_table import Table, expand_env, read_toml
 
@@ -154,6 +158,41 @@ def _gateway(t: Table, base: Path) -> GatewaySettings:
     budgets.finish()
     t.finish()
     return settings
+
+
+def _jobs(t: Table, gateway_budgets: dict[str, Budget]) -> Jobs:
+    """[jobs]: `name` (this process's job when it names none), `max_labels`, `fair_shares`,
+    and per job
+    `[jobs.<job>]` with `weight` and a `[jobs.<job>.budget]` of [budget]'s caps (the older
+    `[gateway.budget.<job>]` says the same; a job may not have both)."""
+    name = t.get("name", str, DEFAULT_JOB, expected="a job's name")
+    if (problem := job_problem(name)) is not None:
+        t.note(ConfigError(f"{t.where('name')}: {problem}"))
+        name = DEFAULT_JOB
+    max_labels = t.integer("max_labels", Jobs.max_labels)
+    fair_shares = t.get("fair_shares", bool, True, expected="true or false")
+    each: dict[str, JobSettings] = {}
+    for job in [k for k in t.data if k not in ("name", "max_labels", "fair_shares")]:
+        if (problem := job_problem(job)) is not None:
+            t.note(ConfigError(f"{t.where(job)}: {problem}"))
+            t.used.add(job)
+            continue
+        if (settings := t.section(job, _job, gateway_budgets.get(job))) is not None:
+            each[job] = settings
+    for job, budget in gateway_budgets.items():
+        each.setdefault(job, JobSettings(budget=budget))
+    t.finish()
+    return Jobs(name=name, max_labels=max_labels, fair_shares=fair_shares, each=each)
+
+
+def _job(t: Table, gateway_budget: Budget | None) -> JobSettings:
+    weight = t.number("weight", 1.0)
+    budget = t.section("budget", _budget) if "budget" in t.data else None
+    if budget is not None and gateway_budget is not None:
+        t.note(ConfigError(f"{t.where('budget')}: also set as [gateway.budget.{t.path[5:]}] "
+                           "(keep one)"))
+    t.finish()
+    return JobSettings(weight=weight, budget=budget or gateway_budget)
 
 
 def load_backend(path: str | os.PathLike[str]) -> Backend:
@@ -385,6 +424,7 @@ def load_config(
                 f"{backends[backend.name].source}"
             )
         backends[backend.name] = backend
+    gateway = root.section("gateway", _gateway, path.parent) or GatewaySettings()
     config = Config(
         redis_url=url,
         backends=backends,
@@ -398,7 +438,8 @@ def load_config(
         visibility_timeout_s=d.integer("visibility_timeout_s", Config.visibility_timeout_s),
         lease_s=d.number("lease_s", Config.lease_s),
         source=str(path),
-        gateway=root.section("gateway", _gateway, path.parent) or GatewaySettings(),
+        gateway=gateway,
+        jobs=root.section("jobs", _jobs, gateway.budgets) or Jobs(),
         **target,
     )
     d.finish()

@@ -120,6 +120,10 @@ class BudgetExceeded(RetryableError):
         self.cap = cap
 
 
+class JobBudgetExceeded(QrqError):
+    """A job at a cap of its `[jobs.<job>.budget]`: submit_batch queues nothing for it."""
+
+
 class DeadlineExceeded(ScoringError):
     """The batch deadline passed before the sample was scored."""
 

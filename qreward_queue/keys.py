@@ -22,6 +22,15 @@ def queued_samples(queue: str) -> str:
     return f"{PREFIX}queued:{queue}"
 
 
+def share_keys(queue: str, level: int) -> dict[str, str]:
+    """Fair shares of one queue's priority level (trainer/shares.py, flow/lua/share.lua): the
+    jobs active on it (zset: job -> last seen, ms), the samples each has waiting in it (hash:
+    job -> count: + as its client publishes, - as a worker starts a task) and their weights
+    (hash: job -> weight). One hash tag, so that one script may touch them together."""
+    tag = f"{PREFIX}{{share:{queue}:{level}}}"
+    return {"active": f"{tag}:active", "queued": f"{tag}:queued", "weights": f"{tag}:weights"}
+
+
 def held(task_id: str) -> str:
     """The node holding a task (running it, or waiting out its retry countdown)."""
     return f"{PREFIX}held:{task_id}"

@@ -1,7 +1,7 @@
 """The score_chunk task's message contract: its name and the kwargs the client sends and the
 worker reads (one module both import, so the two cannot drift apart).
 
-The client sends `backend, samples, route, deadline, batch, indices` (`chunk_kwargs`); a task
+The client sends `backend, samples, route, deadline, batch, indices, job` (`chunk_kwargs`); a task
 that retries itself adds `done` (outcomes settled so far), `attempt` and `tried` (backends
 failed over from). The worker reads them as a `ChunkMessage`, checked before the task takes
 anything (a malformed one is dead-lettered with its reason: `ops/dead_letter.py`).
@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .settings import DEFAULT_JOB, job_problem
+
 TASK_NAME = "qrq.score_chunk"
 
 
@@ -22,16 +24,17 @@ class MalformedMessage(ValueError):
 
 
 def chunk_kwargs(backend: str, samples: list[dict], route: list[str], deadline: float,
-                 batch: str, indices: list[int]) -> dict:
+                 batch: str, indices: list[int], job: str) -> dict:
     """The kwargs of a new chunk's task (JSON-serializable)."""
     return {"backend": backend, "samples": samples, "route": route, "deadline": deadline,
-            "batch": batch, "indices": indices}
+            "batch": batch, "indices": indices, "job": job}
 
 
 @dataclass(frozen=True)
 class ChunkMessage:
     """A score_chunk task's kwargs, checked and typed. `done`: an outcome dict (or None) per
-    sample; `indices`: the samples' places in batch `batch` (both or neither)."""
+    sample; `indices`: the samples' places in batch `batch` (both or neither); `job`: whose
+    work it is (fair shares, spend per job; a message from before jobs: `default`)."""
 
     backend: str
     samples: list[dict]
@@ -42,6 +45,7 @@ class ChunkMessage:
     attempt: int = 1
     batch: str | None = None
     indices: list[int] | None = None
+    job: str = DEFAULT_JOB
 
     @classmethod
     def from_kwargs(cls, kwargs: Any) -> ChunkMessage:
@@ -84,6 +88,7 @@ class ChunkMessage:
             (self.indices is None or (isinstance(self.indices, list) and len(self.indices) == n
                                       and all(type(i) is int and i >= 0 for i in self.indices)),
              "indices must be a list of sample positions, one per sample"),
+            (job_problem(self.job) is None, f"job: {job_problem(self.job)}"),
         ]
         for ok, problem in problems:
             if not ok:

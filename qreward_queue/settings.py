@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -251,6 +252,51 @@ class GatewaySettings:
     budgets: dict[str, Budget] = field(default_factory=dict, hash=False)
 
 
+DEFAULT_JOB = "default"  # the job of a process that names none
+JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # also a Prometheus label value
+
+
+def job_problem(name: object) -> str | None:
+    """Why `name` cannot be a job's name (None: it can)."""
+    if isinstance(name, str) and JOB_NAME.fullmatch(name):
+        return None
+    return (f"expected a job's name: 1 to 64 letters, digits, '.', '_' or '-' (a letter or "
+            f"digit first), got {name!r}")
+
+
+@dataclass(frozen=True)
+class JobSettings:
+    """One `[jobs.<name>]` table: the job's weight in fair shares and its `[budget]`."""
+
+    weight: float = 1.0
+    budget: Budget | None = None
+
+
+@dataclass(frozen=True)
+class Jobs:
+    """`[jobs]`: the job of a process that names none (`name`), how many jobs Prometheus
+    labels (`max_labels`; the rest are `other`), whether jobs share backends fairly
+    (`fair_shares`), and each named job's weight and budget (a job not named here: weight 1,
+    no budget)."""
+
+    name: str = DEFAULT_JOB
+    max_labels: int = 20
+    fair_shares: bool = True  # false: every chunk is published at once (no gate)
+    each: dict[str, JobSettings] = field(default_factory=dict, hash=False)
+
+    def weight(self, job: str) -> float:
+        known = self.each.get(job)
+        return known.weight if known else 1.0
+
+    def budget(self, job: str) -> Budget | None:
+        known = self.each.get(job)
+        return known.budget if known else None
+
+    def budgets(self) -> dict[str, Budget]:
+        """The jobs that have a budget, and it."""
+        return {job: s.budget for job, s in self.each.items() if s.budget is not None}
+
+
 @dataclass(frozen=True)
 class Config:
     """Everything qrq.toml and the backend files say."""
@@ -270,6 +316,7 @@ class Config:
     redis_password_env: str | None = None
     sentinel_password_env: str | None = None
     gateway: GatewaySettings = field(default_factory=GatewaySettings)
+    jobs: Jobs = field(default_factory=Jobs)
 
     @property
     def embedded(self) -> bool:

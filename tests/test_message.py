@@ -7,14 +7,19 @@ import pytest
 
 from qreward_queue.message import ChunkMessage, MalformedMessage, chunk_kwargs
 
-GOOD = chunk_kwargs("j", [{"prompt": "p", "response": "r"}], ["j"], 1e10, "b1", [0])
+GOOD = chunk_kwargs("j", [{"prompt": "p", "response": "r"}], ["j"], 1e10, "b1", [0], "team-a")
 
 
 def test_a_client_message_round_trips() -> None:
     message = ChunkMessage.from_kwargs(GOOD)
     assert (message.backend, message.attempt, message.done, message.tried) == ("j", 1, None, [])
     again = ChunkMessage.from_kwargs(message.retried(attempt=2, done=[None]))
-    assert (again.attempt, again.done, again.indices) == (2, [None], [0])
+    assert (again.attempt, again.done, again.indices, again.job) == (2, [None], [0], "team-a")
+
+
+def test_a_message_from_before_jobs_is_the_default_jobs() -> None:
+    old = {k: v for k, v in GOOD.items() if k != "job"}
+    assert ChunkMessage.from_kwargs(old).job == "default"
 
 
 @pytest.mark.parametrize(("change", "named"), [
@@ -31,6 +36,9 @@ def test_a_client_message_round_trips() -> None:
     ({"backend": 7}, "backend must be a name"),
     ({"batch": None}, "batch and indices go together"),
     ({"extra": 1}, "unknown field(s) 'extra'"),
+    ({"job": 7}, "job: expected a job's name: 1 to 64"),
+    ({"job": "two words"}, "job: expected a job's name: 1 to 64"),
+    ({"job": "x" * 65}, "job: expected a job's name: 1 to 64"),
 ])
 def test_each_broken_field_is_named(change: dict, named: str) -> None:
     with pytest.raises(MalformedMessage, match=None) as raised:

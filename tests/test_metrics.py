@@ -53,6 +53,8 @@ def test_worker_counters_add_up_to_the_batch(tmp_path, redis_url, stack):
         redis_url=redis_url,
         routes={"judged": {"backends": ["ja"], "cache": True}, "exact": {"backends": ["fx"]}},
     )
+    # every chunk on its queue at submit (fair shares would hold back all but ~1 s of work)
+    config_path.write_text(config_path.read_text() + "[jobs]\nfair_shares = false\n")
     app = qrq.configure(qrq.load_config(config_path))
     judge_port, fx_port, exporter_port = free_port(), free_port(), free_port()
     env = {**os.environ, "QRQ_CONFIG": str(config_path)}
@@ -72,8 +74,8 @@ def test_worker_counters_add_up_to_the_batch(tmp_path, redis_url, stack):
     exact_batch = qrq.submit_batch(exact, route="exact", priority="val", app=app)
     # Then the exporter shows them queued, by backend and priority
     page = wait_for(lambda: try_scrape(exporter_port), 30, "the exporter")
-    # 120 samples in chunks of 8 (one round of the worker's calls), 100 in chunks of 8
-    assert total(page, "qrq_queue_depth", backend="ja", priority="train") == 15
+    # 120 samples in chunks of 5 (0.25 s of the rpm), 100 in chunks of 8
+    assert total(page, "qrq_queue_depth", backend="ja", priority="train") == 24
     assert total(page, "qrq_queue_depth", backend="fx", priority="val") == 13  # 100 / 8 per task
     assert total(page, "qrq_max_concurrent", backend="ja") == 8
     assert total(page, "qrq_rate_limit_per_minute", backend="ja", limit="rpm") == 1200

@@ -50,15 +50,15 @@ def test_status_reports_what_the_limiter_and_queue_hold(tmp_path, redis_url):
     assert fields[1:5] == ["judge", "3", "0", "1/1/1"]
     assert fields[5] == "600/600"  # rpm enforced now / configured
     assert fields[8:10] == ["4", "1"]  # adaptive limit, 429s in the last minute
-    # breaker; ETA: 3 tasks of 20 samples (2 s of the rpm, the planner's chunk) at 10/s
-    assert fields[-2:] == ["closed", "6.0"]
+    # breaker; ETA: 3 tasks of 3 samples (0.25 s of the rpm, the planner's chunk) at 10/s
+    assert fields[-2:] == ["closed", "0.9"]
     # And --json carries the same row
     out = subprocess.run([sys.executable, "-m", "qreward_queue.cli", "status", "--json"],
                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
     (row,) = json.loads(out.stdout)["backends"]
     assert row["queued_by_priority"] == {"val": 1, "train": 1, "bulk": 1}
     assert (row["adaptive_limit"], row["recent_429s"], row["breaker"]) == (4, 1, "closed")
-    assert row["limit_samples_per_s"] == 10 and row["eta_s"] == pytest.approx(6.0)
+    assert row["limit_samples_per_s"] == 10 and row["eta_s"] == pytest.approx(0.9)
 
 
 def test_status_in_embedded_mode_says_there_is_no_shared_state(tmp_path):

@@ -5,7 +5,7 @@ its circuit is open) and the samples already waiting in its queue (`QueuedSample
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from .. import keys
 from ..settings import Config, Route
@@ -45,9 +45,12 @@ class QueuedSamples:
         """The count `app` plans with (none in embedded mode)."""
         return cls(app.store, not app.qrq_config.embedded)
 
-    def add(self, samples: Mapping[str, int]) -> None:
+    def add(self, samples: Mapping[str, int], job: str | None = None,
+            level: int | None = None) -> None:
         """`samples[queue]` samples were published to (< 0: taken from) each queue; one
-        round trip. A count left behind by lost messages fades after QUEUED_TTL_S."""
+        round trip. A count left behind by lost messages fades after QUEUED_TTL_S. With `job`
+        and `level` (a worker's: the task's job and priority level), the job's own count on
+        that level, which its fair share is held to (trainer/shares.py), changes too."""
         changes = {queue: n for queue, n in samples.items() if n}
         if not (self.counting and changes):
             return
@@ -55,6 +58,8 @@ class QueuedSamples:
             for queue, n in changes.items():
                 pipe.incrby(keys.queued_samples(queue), n)
                 pipe.expire(keys.queued_samples(queue), QUEUED_TTL_S)
+                if job is not None and level is not None:
+                    pipe.hincrby(keys.share_keys(queue, level)["queued"], job, n)
             pipe.execute()
 
     def published(self, chunks: Iterable[Chunk], config: Config) -> None:
@@ -89,10 +94,14 @@ def of(app, names: list[str]) -> tuple[list[float], list[float]]:
     return rates, [count.read(app.backend_config(b).queue) for b in names]
 
 
-def route_shares(app, route: Route, n: int) -> list[float]:
-    """How many of `n` new samples each backend of `route` should get (weight x free capacity)."""
+def route_shares(app, route: Route, n: int,
+                 held: Callable[[str], int] | None = None) -> list[float]:
+    """How many of `n` new samples each backend of `route` should get (weight x free capacity);
+    `held(backend)`: samples this process holds back for it (fair shares), counted as queued."""
     if len(route.backends) == 1:
         return [1.0]
     rates, queued = of(app, list(route.backends))
+    if held is not None:
+        queued = [q + held(b) for q, b in zip(queued, route.backends, strict=True)]
     weighted = [w * r for w, r in zip(route.weights, rates, strict=True)]
     return water_fill(n, weighted, queued)

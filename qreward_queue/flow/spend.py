@@ -23,6 +23,7 @@ import redis
 from .. import flushing, keys
 from ..config import Backend, Budget
 from ..errors import BudgetExceeded
+from ..settings import DEFAULT_JOB
 
 FIELDS = ("calls", "tokens_in", "tokens_out", "estimated", "cost_micro")
 FLUSH_EVERY_S = 0.1
@@ -106,7 +107,8 @@ class Ledger:
         self._tokens_per_byte = 0.0  # the most this backend's replies have shown
         self._book = store.register_script(_BOOK) if backend.budget else None
         self._lock = threading.Lock()
-        self._tally: dict[tuple[int, str | None], list[int]] = {}  # (hour, batch) -> FIELDS
+        # (hour, batch, job) -> FIELDS
+        self._tally: dict[tuple[int, str | None, str], list[int]] = {}
         self._held: dict[int, list[int]] = {}  # hour -> bookings to give back (tokens, cost)
         self._last = time.monotonic()
         self._scheduled = False  # a flush is due on the flushing thread
@@ -147,12 +149,14 @@ class Ledger:
                                  _shown(name, cost if name.startswith("cost") else tokens))
         return Booking(hour, tokens, cost)
 
-    def spent(self, usage: Usage, booking: Booking | None, batch_id: str | None) -> None:
-        """Add one call's usage (and give back its booking); written within FLUSH_EVERY_S."""
+    def spent(self, usage: Usage, booking: Booking | None, batch_id: str | None,
+              job: str = DEFAULT_JOB) -> None:
+        """Add one call's usage, to its backend, batch and job (and give back its booking);
+        written within FLUSH_EVERY_S."""
         values = (1, usage.tokens_in, usage.tokens_out, int(usage.estimated),
                   usage.cost_micro(self.backend))
         with self._lock:
-            tally = self._tally.setdefault((hour_now(), batch_id), [0] * len(FIELDS))
+            tally = self._tally.setdefault((hour_now(), batch_id, job), [0] * len(FIELDS))
             for k, value in enumerate(values):
                 tally[k] += value
             if booking is not None:
@@ -174,10 +178,13 @@ class Ledger:
         name = self.backend.name
         try:
             with self.store.pipeline(transaction=False) as pipe:
-                for (hour, batch_id), values in tally.items():
-                    targets = [(keys.spend(name), ""), (keys.spend(name, hour), "")]
+                for (hour, batch_id, job), values in tally.items():
+                    targets = [(keys.spend(name), ""), (keys.spend(name, hour), ""),
+                               (keys.job_spend(job), ""), (keys.job_spend(job, hour), "")]
                     if batch_id is not None:
                         targets.append((keys.batch_spend(batch_id), f"{name}:"))
+                    pipe.sadd(keys.JOBS, job)
+                    pipe.expire(keys.job_spend(job, hour), HOUR_KEEP_S)
                     for key, prefix in targets:
                         for field, value in zip(FIELDS, values, strict=True):
                             if value:

@@ -19,18 +19,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
 from ..priority import Priority
-from ..settings import GatewaySettings
+from ..settings import DEFAULT_JOB, GatewaySettings, job_problem
 from ..toml_table import read_toml
 
-OPEN_JOB = "default"
-_JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+OPEN_JOB = DEFAULT_JOB
 
 
 @dataclass(frozen=True)
@@ -109,8 +107,8 @@ def _entry(entry: Any, where: str) -> tuple[str, Job]:
     if not isinstance(key, str) or len(key.strip()) < 8 or key != key.strip():
         raise ConfigError(f"{where}: key: expected a string of 8 characters or more, without "
                           "surrounding spaces (the value is not shown)")
-    if not isinstance(name, str) or not _JOB_NAME.fullmatch(name):
-        raise ConfigError(f"{where}: job: expected letters, digits, '.', '_' or '-'")
+    if not isinstance(name, str) or job_problem(name) is not None:
+        raise ConfigError(f"{where}: job: {job_problem(name)}")
     names = entry.get("priorities", [p.value for p in Job(name).priorities])
     try:
         if not isinstance(names, list) or not names:

@@ -44,7 +44,7 @@ from ..samples import Outcome
 from ..settings import Route
 from ..trainer.batcher import MicroBatcher
 from .gateway_keys import Job
-from .job_spend import JobLedger, reply_usage
+from .job_spend import JobLedger
 
 ROUTE_PREFIX = "qrq/"
 PRIORITY_HEADER, DEADLINE_HEADER = "X-Qrq-Priority", "X-Qrq-Deadline-S"
@@ -116,14 +116,13 @@ class ChatCompletions:
                   "extra": {CHAT_REQUEST: body, "request": uuid.uuid4().hex}}  # never merged
         try:
             outcome = await asyncio.wait_for(
-                self.batcher.score(sample, route.name, priority, deadline_s),
+                self.batcher.score(sample, route.name, priority, deadline_s, job.name),
                 deadline_s + GRACE_S)
         except asyncio.TimeoutError:
             raise _deadline_error(deadline_s) from None
         except RedisUnreachable as exc:
             raise ApiError(503, str(exc), "server_error", "redis_unreachable") from None
         if outcome.scored and outcome.detail:
-            self.ledger.spent(job.name, outcome.backend, reply_usage(outcome.detail))
             if cache_key:
                 await _cache_put(cache_key, outcome.detail, route.cache_ttl_s)
             return _raw(outcome.detail, {"x-qrq-backend": outcome.backend or ""})

@@ -37,9 +37,11 @@ def qrq_reward(
     priority: Priority | None = None,
     deadline_s: float | None = None,
     reference_columns: Sequence[str] = REFERENCE_COLUMNS,
+    job: str | None = None,
 ) -> RewardFunc:
     """An async TRL reward function scoring on `route`; `name` is TRL's column/metric name.
-    A fixed `priority` wins over the `qrq_priority` column (e.g. "val" for an eval-only copy)."""
+    A fixed `priority` wins over the `qrq_priority` column (e.g. "val" for an eval-only copy).
+    `job` names the training run (fair shares and spend per job; else $QRQ_JOB)."""
 
     async def reward(
         prompts: list[Any],
@@ -57,7 +59,8 @@ def qrq_reward(
         samples = [make_sample(p, c, r) for p, c, r in zip(prompts, completions, refs,
                                                              strict=True)]
         priorities = [priority or Priority.marked(p) for p in column]
-        outcomes = await default_batcher().score_many(samples, route, priorities, deadline_s)
+        outcomes = await default_batcher().score_many(samples, route, priorities, deadline_s,
+                                                      job)
         if log_extra is not None:
             log_extra(f"{name}_status", [o.status for o in outcomes])
         if log_metric is not None:

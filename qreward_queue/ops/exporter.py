@@ -18,6 +18,10 @@ Metrics (labels):
     qrq_spend_estimated_calls_total{backend}       calls whose reply gave no usage (estimated)
     qrq_spend_cost_total{backend}                  their cost, with a [price] in the backend file
     qrq_budget_limit{backend,cap}, qrq_budget_used{backend,cap}   each [budget] cap and its use
+    qrq_job_calls_total{job}, qrq_job_tokens_total{job,direction}, qrq_job_cost_total{job}
+                                                   each job's spend (jobs beyond [jobs]
+                                                   max_labels are summed as `other`)
+    qrq_job_samples_queued{job}                    a job's samples waiting in the queues
     qrq_audit_samples{route,audit}, qrq_audit_mean_abs_diff{route,audit},
     qrq_audit_flip_rate{route,audit}, qrq_audit_bias{route,audit}
                                                    an audited route's agreement, this UTC hour
@@ -32,12 +36,14 @@ from .. import keys
 from ..app import QrqCelery
 from ..extras import require
 from ..flow.capacity import queue_depths
+from ..integrations.job_spend import job_rows
 from ..priority import Priority
 from . import audit
 from .metrics_http import LOCAL, serve_metrics
 from .status import backend_rows
 
 BREAKER_STATES = {"closed": 0, "half-open": 1, "open": 2}
+OTHER_JOB = "other"  # the label of the jobs beyond [jobs] max_labels
 
 
 class RedisStateCollector:
@@ -114,6 +120,39 @@ class RedisStateCollector:
         yield lookups
         yield hits
         yield from _audit_metrics(app)
+        yield from _job_metrics(app)
+
+
+def _job_metrics(app: QrqCelery) -> Iterator[Any]:
+    """Each job's spend and samples queued, labelled by job: the jobs of `[jobs.<job>]`, then
+    the rest by name, up to `[jobs] max_labels`; the jobs beyond are summed as `other`."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    rows = job_rows(app.store, app.qrq_config)
+    named = app.qrq_config.jobs.each
+    rows.sort(key=lambda r: (r["job"] not in named, r["job"]))
+    room = app.qrq_config.jobs.max_labels
+    merged: dict[str, list[float]] = {}
+    for i, row in enumerate(rows):
+        label = row["job"] if i < room else OTHER_JOB
+        total = row["total"]
+        figures = [total["calls"], total["tokens_in"], total["tokens_out"], total["cost"],
+                   row["queued"]]
+        merged[label] = [a + b for a, b in zip(merged.get(label, [0.0] * 5), figures,
+                                               strict=True)]
+    calls = CounterMetricFamily("qrq_job_calls", "Backend calls made for a job", labels=["job"])
+    tokens = CounterMetricFamily("qrq_job_tokens", "Tokens of a job's calls",
+                                 labels=["job", "direction"])
+    cost = CounterMetricFamily("qrq_job_cost", "Cost of a job's calls", labels=["job"])
+    queued = GaugeMetricFamily("qrq_job_samples_queued",
+                               "A job's samples waiting in the backends' queues", labels=["job"])
+    for job, (n, t_in, t_out, c, q) in merged.items():
+        calls.add_metric([job], n)
+        tokens.add_metric([job, "in"], t_in)
+        tokens.add_metric([job, "out"], t_out)
+        cost.add_metric([job], c)
+        queued.add_metric([job], q)
+    yield from (calls, tokens, cost, queued)
 
 
 def _audit_metrics(app: QrqCelery) -> Iterator[Any]:

@@ -69,7 +69,8 @@ def snapshot(app: QrqCelery, previous: dict | None = None) -> dict:
             else None
     audits = {r.name: audit.hours(app.store, r.name) for r in app.qrq_config.routes.values()
               if r.audit}
-    return {"time": now, "backends": rows, "jobs": job_rows(app.store), "audits": audits}
+    return {"time": now, "backends": rows, "jobs": job_rows(app.store, app.qrq_config),
+            "audits": audits}
 
 
 def _fmt(value: float | None, spec: str = ".0f") -> str:
@@ -108,9 +109,12 @@ def render_snapshot(snap: dict) -> str:
               for row in snap["backends"] for node, pool in row.get("calls", {}).items()]
     for row in snap["backends"]:
         lines += render_spend(row["backend"], row["spend"])
-    for job in snap.get("jobs", []):  # the gateway's callers (integrations/job_spend.py)
-        lines += [f"{line} ({job['share']:.1%} of the jobs' tokens)" for line in
-                  render_spend(f"job {job['job']}", {**job, "budgets": {}})]
+    for job in snap.get("jobs", []):  # integrations/job_spend.py
+        spent = render_spend(f"job {job['job']}", job)
+        if spent:
+            spent[0] += (f" ({job['share']:.1%} of the jobs' calls; weight {job['weight']:g}; "
+                         f"{job['queued']:,} samples queued)")
+        lines += spent
     for route, hours in snap.get("audits", {}).items():
         lines += audit.render(route, hours)
     return "\n".join(lines)

@@ -2,7 +2,7 @@
 
 verl, slime, AReaL and the gateway score one sample at a time from many coroutines. A
 submit_batch per sample would cost a Celery group and a result poll each; here calls queue up
-per (route, priority, deadline) and one flusher thread sends each queue as one batch when it
+per (route, priority, deadline, job) and one flusher thread sends each queue as one batch when it
 holds `max_items` samples or its oldest sample has waited `max_wait_ms`. Outcomes come back
 through the process's one reader (collector.py), so callers on any event loop, or plain
 threads, hold no thread while they wait; each caller gets its outcome as soon as its own
@@ -37,7 +37,7 @@ from . import aio
 from .client import submit_batch
 from .routing import grouped, pack
 
-_Key = tuple[str | None, Priority, float | None]
+_Key = tuple[str | None, Priority, float | None, str | None]  # route, priority, deadline, job
 _Item = tuple[dict[str, Any], Future[Outcome]]
 
 
@@ -109,10 +109,12 @@ class MicroBatcher:
         route: str | None = None,
         priority: Priority | str = Priority.TRAIN,
         deadline_s: float | None = None,
+        job: str | None = None,
     ) -> Future[Outcome]:
-        """Queue one sample; the returned Future resolves to its Outcome."""
+        """Queue one sample (of `job`: see submit_batch); the returned Future resolves to its
+        Outcome."""
         future: Future[Outcome] = Future()
-        key = (route, Priority.parse(priority), deadline_s)  # a bad name fails here, not later
+        key = (route, Priority.parse(priority), deadline_s, job)  # a bad name fails here
         if self._pid != os.getpid():
             self._start_fresh()
         group = self._group_of(sample, route)
@@ -160,9 +162,10 @@ class MicroBatcher:
         route: str | None = None,
         priority: Priority | str = Priority.TRAIN,
         deadline_s: float | None = None,
+        job: str | None = None,
     ) -> Outcome:
         """Score one sample from any event loop; cancelling this call affects no other."""
-        return await asyncio.wrap_future(self.submit(sample, route, priority, deadline_s))
+        return await asyncio.wrap_future(self.submit(sample, route, priority, deadline_s, job))
 
     async def score_many(
         self,
@@ -170,11 +173,12 @@ class MicroBatcher:
         route: str | None = None,
         priority: Priority | str | Sequence[Priority | str] = Priority.TRAIN,
         deadline_s: float | None = None,
+        job: str | None = None,
     ) -> list[Outcome]:
         """Score samples (one priority, or one per sample) through the same queues."""
         priorities = [priority] * len(samples) if isinstance(priority, str) else list(priority)
-        futures = [self.submit(s, route, p, deadline_s) for s, p in zip(samples, priorities,
-                                                                        strict=True)]
+        futures = [self.submit(s, route, p, deadline_s, job)
+                   for s, p in zip(samples, priorities, strict=True)]
         return list(await asyncio.gather(*map(asyncio.wrap_future, futures)))
 
     # -- the flusher thread ---------------------------------------------------------------------
@@ -211,10 +215,10 @@ class MicroBatcher:
         return due
 
     def _send(self, key: _Key, items: list[_Item]) -> None:
-        route, priority, deadline_s = key
+        route, priority, deadline_s, job = key
         try:
             batch = submit_batch([s for s, _ in items], route=route, priority=priority,
-                                 deadline_s=deadline_s, on_invalid="outcome")
+                                 deadline_s=deadline_s, on_invalid="outcome", job=job)
         except Exception as exc:  # e.g. an unknown route, Redis down: every caller learns why
             for _, future in items:
                 _settle(future, exc)

@@ -34,13 +34,22 @@ from .. import lease, records, redis_conn, redis_wait
 from ..app import REDIS_READ_TIMEOUT_S, QrqCelery
 from ..cache import ScoreCache, record_cache, reward_identity, unit_keys
 from ..config import Config, Route
-from ..errors import Cancelled, DeadlineExceeded, InvalidSamples, RedisUnreachable, ScoringError
+from ..errors import (
+    Cancelled,
+    DeadlineExceeded,
+    InvalidSamples,
+    JobBudgetExceeded,
+    RedisUnreachable,
+    ScoringError,
+)
 from ..flow import spend
 from ..flow.capacity import route_shares
+from ..integrations import job_spend
 from ..priority import Priority
 from ..runtime import get_app, redis_problem
 from ..samples import Outcome, summarize, validate_samples
-from . import collector, integrity
+from ..settings import DEFAULT_JOB
+from . import collector, integrity, shares
 from .placement import Placement
 from .publisher import Publisher
 from .routing import Chunk, plan, plan_dealt, units
@@ -88,6 +97,7 @@ class RewardBatch:
         priority: int,
         deadline: float,
         cache_keys: dict[int, str] | None = None,
+        job: str = DEFAULT_JOB,
     ):
         self.app, self.route, self.samples = app, route, samples
         self.priority, self.deadline, self.cache = priority, deadline, cache
@@ -99,10 +109,13 @@ class RewardBatch:
         for i, outcome in enumerate(outcomes):
             if outcome is not None:
                 self._placement.place(i, outcome)
-        self._publisher = Publisher(app, route, self.batch_id, priority, deadline)
+        self.job = job
+        self._publisher = Publisher(app, route, self.batch_id, priority, deadline, job)
         self._watchdog = Watchdog(app, route, self._publisher)
+        self._gate = shares.gate(app)
         self._lock = threading.RLock()  # the reader's thread and the caller's both place
         self._pending: dict[str, Chunk] = {}
+        self._held: set[str] = set()  # pending chunks the gate holds, not yet published
         self._task_of: dict[int, str] = {}  # a position of the work -> the task scoring it
         self._settled = threading.Event()  # nothing pending (cleared while chunks are out)
         self._settled.set()
@@ -185,8 +198,9 @@ class RewardBatch:
         with self._lock:
             if not self._pending:
                 return 0
-            pending = dict(self._pending)
-            positions = [p for c in pending.values() for p in c.indices]
+            self._ungate()
+            pending = {t: c for t, c in self._pending.items() if t not in self._held}
+            positions = [p for c in self._pending.values() for p in c.indices]
 
             def stop_and_read() -> tuple[dict[str, dict[str, Any]], dict[int, dict[str, Any]]]:
                 self._publisher.end(lease.CANCELLED)
@@ -263,15 +277,36 @@ class RewardBatch:
         return plan_dealt(self.app.qrq_config, self._placement.vote(self.route, todo))
 
     def send(self, chunks: list[Chunk]) -> None:
-        """Publish one score_chunk task per chunk; the process's reader collects them."""
+        """Publish one score_chunk task per chunk; a chunk for a backend with a rate limit goes
+        through the process's gate (fair shares between jobs: shares.py), which publishes it
+        as the job's share allows. The process's reader collects them."""
         if not chunks:
             return
         messages = {uuid.uuid4().hex: chunk for chunk in chunks}
+        gate = self._gate
+        held = {t: c for t, c in messages.items() if gate is not None and gate.shares(c.backend)}
         with self._lock:
             self._settled.clear()
             self._pending.update(messages)  # unsent, they are found lost and sent again
             self._task_of.update((p, t) for t, c in messages.items() for p in c.indices)
+            self._held.update(held)
         self._reader.add(self)
+        if gate is not None and held:
+            gate.hold(self, self.priority, self.job, held)
+        if len(held) < len(messages):
+            self._publish({t: c for t, c in messages.items() if t not in held})
+
+    def publish(self, messages: dict[str, Chunk]) -> int:
+        """The gate's turn for `messages`: those the batch still waits for are sent; returns
+        the samples of the others (not sent)."""
+        with self._lock:
+            wanted = {t: c for t, c in messages.items() if t in self._held and t in self._pending}
+            self._held.difference_update(messages)
+            if wanted:
+                self._publish(wanted)
+        return sum(len(c.indices) for t, c in messages.items() if t not in wanted)
+
+    def _publish(self, messages: dict[str, Chunk]) -> None:
         placement = self._placement
         self._within(lambda: self._publisher.send(self, messages, placement.work,
                                                   placement.ballot is not None))
@@ -306,8 +341,9 @@ class RewardBatch:
             if time.time() >= self.deadline:
                 self._expire()
                 return
+            out = {t: c for t, c in self._pending.items() if t not in self._held}
             try:
-                metas, lost = self._within(lambda: self._watchdog.look(dict(self._pending)))
+                metas, lost = self._within(lambda: self._watchdog.look(out))
             except (redis.RedisError, OSError) as exc:
                 self.outage(exc, time.time())
                 return
@@ -360,6 +396,7 @@ class RewardBatch:
 
     def _expire(self) -> None:
         with self._lock:
+            self._ungate()
             for chunk in self._pending.values():
                 why = "no result by the batch deadline"
                 no_worker = self._watchdog.no_worker
@@ -371,8 +408,15 @@ class RewardBatch:
             lease.release(self.batch_id)  # no Redis write: it may be what made us late
             self._finish()
 
+    def _ungate(self) -> None:
+        """The gate publishes none of this batch's held chunks any more."""
+        if self._gate is not None:
+            self._gate.drop(self)
+        self._held.clear()
+
     def _finish(self) -> None:
         """Nothing is pending any more: waiters learn the outcomes; the reader forgets us."""
+        self._ungate()
         if self._finished is None:
             integrity.after_batch(self.app, self.route, self.samples, self._placement.outcomes,
                                   submit_batch)
@@ -419,6 +463,7 @@ def submit_batch(
     deadline_s: float | None = None,
     on_invalid: Literal["raise", "outcome"] = "raise",
     app: QrqCelery | None = None,
+    job: str | None = None,
 ) -> RewardBatch:
     """Queue `samples` for scoring on `route`; returns at once with a RewardBatch.
 
@@ -426,11 +471,19 @@ def submit_batch(
     or with `on_invalid="outcome"` come back as `error` outcomes while the rest is scored.
     Identical samples are scored once; with the route's cache on, known scores come back
     as `cached` without touching a queue. Raises RedisUnreachable (one line naming the URL)
-    when distributed mode cannot reach Redis.
+    when distributed mode cannot reach Redis, and JobBudgetExceeded when the job has reached
+    a cap of its `[jobs.<job>.budget]`.
+
+    `job` names whose work this is (else $QRQ_JOB, else `[jobs] name`, else `default`):
+    within a priority, jobs share each backend in proportion to their `[jobs.<job>] weight`,
+    and spend is counted per job.
     """
     app = app or get_app()
     config = app.qrq_config
     level = Priority.parse(priority).level
+    the_job = shares.job_of(app, job)
+    if config.jobs.budget(the_job) and not config.embedded:
+        _within_budget(app, the_job)
     if on_invalid not in ("raise", "outcome"):
         raise ValueError(f"on_invalid must be 'raise' or 'outcome', got {on_invalid!r}")
     the_route = config.route(route)
@@ -472,14 +525,16 @@ def submit_batch(
         todo = [i for key, i in first.items() if key not in hits]
         batch = RewardBatch(
             app, the_route, samples, outcomes, copies, cache, level, deadline,
-            {i: key for key, i in first.items()},
+            {i: key for key, i in first.items()}, the_job,
         )
         made.append(batch)
         if abandoned.is_set():
             return batch
         wanted = set(todo)
+        gate = shares.gate(app)
+        held = gate.held_samples if gate is not None else None
         batch.send(batch.vote(todo) if the_route.votes else
-                   plan(config, the_route, todo, route_shares(app, the_route, len(todo)),
+                   plan(config, the_route, todo, route_shares(app, the_route, len(todo), held),
                         [unit for unit in whole if unit[0] in wanted]))
         return batch
 
@@ -494,6 +549,17 @@ def submit_batch(
             raise
     except (redis.RedisError, kombu.exceptions.OperationalError, OSError) as exc:
         raise RedisUnreachable(redis_problem(config, exc)) from None
+
+
+def _within_budget(app: QrqCelery, job: str) -> None:
+    """JobBudgetExceeded when `job` has reached a cap of its budget (nothing is queued)."""
+    try:
+        used = job_spend.job_use(app.store, [job])[job]
+    except (redis.RedisError, OSError) as exc:
+        raise RedisUnreachable(redis_problem(app.qrq_config, exc)) from None
+    why = job_spend.refusal(app.qrq_config, job, used)
+    if why is not None:
+        raise JobBudgetExceeded(why)
 
 
 def _units(config: Config, route: Route, samples: Sequence[dict[str, Any]],

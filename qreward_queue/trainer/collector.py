@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 import uuid
@@ -29,6 +28,7 @@ import redis
 
 from .. import keys, records, redis_wait
 from ..app import REDIS_READ_TIMEOUT_S, QrqCelery
+from .per_app import PerApp
 
 if TYPE_CHECKING:
     from .client import RewardBatch
@@ -211,23 +211,9 @@ def _exiting(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "after" in str(exc) and "shutdown" in str(exc)
 
 
-_readers: dict[int, Reader] = {}
-_lock = threading.Lock()
+_readers = PerApp(Reader)
 
 
 def reader(app: QrqCelery) -> Reader:
     """This process's reader of `app`'s Redis."""
-    with _lock:
-        found = _readers.get(id(app))
-        if found is None or found.app is not app:
-            found = _readers[id(app)] = Reader(app)
-        return found
-
-
-def _after_fork() -> None:
-    global _lock
-    _lock = threading.Lock()
-    _readers.clear()  # the parent's threads and batches are the parent's
-
-
-os.register_at_fork(after_in_child=_after_fork)
+    return _readers.get(app)

@@ -19,9 +19,9 @@ class Publisher:
     and its tasks' results (read only for a chunk that ended with outcomes unrecorded)."""
 
     def __init__(self, app: QrqCelery, route: Route, batch_id: str, priority: int,
-                 deadline: float):
+                 deadline: float, job: str):
         self.app, self.route, self.batch_id = app, route, batch_id
-        self.priority, self.deadline = priority, deadline
+        self.priority, self.deadline, self.job = priority, deadline, job
         self._result_keys: dict[str, Any] = {}  # task id -> its result's key, built once
         self.sentinel: str | None = None
 
@@ -43,7 +43,7 @@ class Publisher:
                 self.app.send_task(
                     TASK_NAME,
                     kwargs=chunk_kwargs(chunk.backend, samples, route, self.deadline,
-                                        self.batch_id, list(chunk.indices)),
+                                        self.batch_id, list(chunk.indices), self.job),
                     task_id=task_id,
                     producer=producer,
                     queue=config.backend(chunk.backend).queue,

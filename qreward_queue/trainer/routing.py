@@ -50,7 +50,8 @@ def spread(
 
 
 MAX_CHUNK = 64  # samples per judge task: big enough to amortise a task, small enough to spread
-CHUNK_SECONDS = 2.0  # at the backend's rate a chunk takes at most this long (priority switches)
+CHUNK_SECONDS = 0.25  # at the backend's rate a chunk takes at most this long (priority
+# switches, and fair shares between jobs: a job's share of a queue is counted in whole chunks)
 CHUNKS_PER_BATCH = 16  # a batch is cut into at least this many chunks per backend, when it can
 
 

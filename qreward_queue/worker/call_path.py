@@ -30,6 +30,7 @@ from ..flow.limiter import Grant, Limiter, Reading
 from ..flow.ratelimit_headers import Feedback
 from ..flow.spend import Booking, Ledger, Usage
 from ..ops import metrics
+from ..settings import DEFAULT_JOB
 
 MAX_LIMITER_WAIT_S = 30.0
 HEDGE_LIMITER_WAIT_S = 1.0  # a hedge that cannot start this soon is not worth it
@@ -53,10 +54,11 @@ class CallPath:
         stop: Callable[[], str | None],
         ledger: Ledger | None,
         batch_id: str | None,
+        job: str = DEFAULT_JOB,
     ):
         self.config, self.limiter, self.breaker = config, limiter, breaker
         self.may_refuse, self.stop = may_refuse, stop
-        self.ledger, self.batch_id = ledger, batch_id
+        self.ledger, self.batch_id, self.job = ledger, batch_id, job
         self.client = make_backend(config)  # one per backend per process: shared connections
         self.observe: Callable[[float], None] | None = None
         # on the call loop: how long a reply may take before a hedge (None: never)
@@ -280,7 +282,7 @@ class CallPath:
             usage = self._bound(batch, learned=False)
         else:
             usage = Usage(0, 0)
-        self.ledger.spent(usage, booking, self.batch_id)
+        self.ledger.spent(usage, booking, self.batch_id, self.job)
 
     def _bound(self, batch: list[dict], learned: bool = True) -> Usage:
         """The most the call can cost (`Ledger.bound`): booked, and counted when no usage came."""

@@ -29,6 +29,7 @@ from ..flow.breaker import CircuitBreaker
 from ..flow.limiter import Grant, Limiter
 from ..flow.spend import Ledger
 from ..samples import Outcome
+from ..settings import DEFAULT_JOB
 from .call_loop import Slots, call_loop
 from .call_path import MAX_LIMITER_WAIT_S, CallPath
 from .call_pool import CallPool, InFlight, call_pool
@@ -87,11 +88,12 @@ class ChunkRunner:
         record: Callable[[dict[int, Outcome]], None] | None = None,
         ledger: Ledger | None = None,
         batch_id: str | None = None,
+        job: str = DEFAULT_JOB,
     ):
         self.config, self.limiter, self.attempt = config, limiter, attempt
         self.deadline = deadline
         self.stop, self.record = stop, record
-        self.path = CallPath(config, limiter, breaker, may_refuse, stop, ledger, batch_id)
+        self.path = CallPath(config, limiter, breaker, may_refuse, stop, ledger, batch_id, job)
         self.policy = RetryPolicy(config.retry)
         self.result = ChunkResult([])
 

@@ -54,7 +54,8 @@ def score_chunk(self, **kwargs: Any) -> list[dict]:
     config = app.backend_config(backend)
     done: list[dict | None] = list(msg.done) if msg.done else [None] * len(samples)
     todo = [i for i, o in enumerate(done) if o is None]
-    _requeued(app, config.queue, -len(todo))
+    requeued = partial(_requeued, app, job=msg.job, level=_level(self.request))
+    requeued(config.queue, -len(todo))
     stop = partial(app.batch_watch.stop_reason, msg.batch)
     recorder = None
     if msg.batch is not None and msg.indices is not None:
@@ -80,7 +81,7 @@ def score_chunk(self, **kwargs: Any) -> list[dict]:
         try:
             result = ChunkRunner(
                 config, app.limiter(backend), breaker, attempt, bool(siblings), msg.deadline,
-                stop, record, app.ledger(backend), msg.batch,
+                stop, record, app.ledger(backend), msg.batch, msg.job,
             ).run(_with_level(config, self.request, [samples[i] for i in todo]))
         finally:
             app.ledger(backend).flush()
@@ -114,7 +115,7 @@ def score_chunk(self, **kwargs: Any) -> list[dict]:
         # stragglers' calls go on after this run: the task comes back once they have surely
         # ended (their outcomes recorded) and settles them with whatever else is left
         metrics.record_retry(backend, "straggler")
-        _requeued(app, config.queue, len(left))
+        requeued(config.queue, len(left))
         raise self.retry(kwargs=msg.retried(done=done, attempt=attempt + 1),
                          countdown=max(handoff_s, nxt.countdown), **summary(backend, samples))
     if nxt.action == "done":
@@ -129,14 +130,14 @@ def score_chunk(self, **kwargs: Any) -> list[dict]:
             return _settled(done)
     if nxt.action in ("wait", "retry"):
         metrics.record_retry(backend, "limiter_busy" if nxt.action == "wait" else "backoff")
-        _requeued(app, config.queue, len(left))
+        requeued(config.queue, len(left))
         raise self.retry(kwargs=msg.retried(
             done=done, attempt=attempt + 1 if nxt.action == "retry" else attempt),
             countdown=nxt.countdown, **summary(backend, samples))
     if nxt.action == "failover":
         target = failover_target(siblings, *capacity.of(app, siblings), len(left))
         metrics.record_retry(backend, "failover", to=target)
-        _requeued(app, app.backend_config(target).queue, len(left))
+        requeued(app.backend_config(target).queue, len(left))
         raise self.retry(
             kwargs=msg.retried(done=done, backend=target, attempt=1, tried=[*msg.tried, backend]),
             queue=app.backend_config(target).queue,
@@ -171,7 +172,7 @@ def _with_level(config, request, samples: list[dict]) -> list[dict]:
     level on each sample (priority.CALL_LEVEL)."""
     if not config.priority_field:
         return samples
-    return stamped(samples, (request.delivery_info or {}).get("priority"))
+    return stamped(samples, _level(request))
 
 
 def _skip_recorded(app, batch: str, indices: list[int], todo: list[int],
@@ -194,11 +195,18 @@ def _cancelled(done: list[dict | None], positions: list[int], why: str, backend:
     return _settled(done)
 
 
-def _requeued(app, queue: str, n: int) -> None:
-    """The planner's count of samples waiting in `queue` (see capacity.QueuedSamples). Redis
-    away (a failover under way): the count is off by `n` until it fades, the chunk goes on."""
+def _requeued(app, queue: str, n: int, job: str, level: int | None) -> None:
+    """The planner's count of samples waiting in `queue`, and the job's on its level (see
+    capacity.QueuedSamples). Redis away (a failover under way): the counts are off by `n`
+    until they fade, the chunk goes on."""
     with contextlib.suppress(redis.RedisError, OSError):
-        capacity.QueuedSamples.of(app).add({queue: n})
+        capacity.QueuedSamples.of(app).add({queue: n}, job, level)
+
+
+def _level(request) -> int | None:
+    """The task's message priority level (None when the broker did not say)."""
+    level = (request.delivery_info or {}).get("priority")
+    return level if isinstance(level, int) else None
 
 
 _keeper = liveness.HeldKeeper(liveness.HEARTBEAT_S)
