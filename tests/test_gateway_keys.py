@@ -8,9 +8,9 @@ import json
 import pytest
 from support import write_config
 
-from qreward_queue.config import load_config
+from qreward_queue.config import Backend, load_config
 from qreward_queue.errors import ConfigError
-from qreward_queue.flow.spend import Usage
+from qreward_queue.flow.spend import Ledger, Usage
 from qreward_queue.integrations.gateway_keys import Job, Keys
 from qreward_queue.integrations.job_spend import JobLedger, job_rows
 from qreward_queue.priority import Priority
@@ -93,11 +93,15 @@ def test_a_jobs_spend_reaches_redis_with_or_without_a_budget(tmp_path, redis_cli
     config = write_config(tmp_path, {}, redis_url)
     with config.open("a") as fh:
         fh.write(budget)
-    ledger = JobLedger(redis_client, load_config(config))
-    ledger.spent("team-a", None, Usage(30, 5))
-    ledger.spent("team-a", None, Usage(10, 5))
+    loaded = load_config(config)
+    # the workers book each call's usage to its job (the gateway's key names the job)
+    spend = Ledger(redis_client, Backend("j", "judge", url="http://judge/v1", model="m"))
+    spend.spent(Usage(30, 5), None, None, job="team-a")
+    spend.spent(Usage(10, 5), None, None, job="team-a")
+    spend.flush()
+    ledger = JobLedger(redis_client, loaded)
     ledger.flush()
-    [row] = job_rows(redis_client)
-    assert row["job"] == "team-a" and row["total"]["calls"] == 2
+    [row] = [r for r in job_rows(redis_client, loaded) if r["job"] == "team-a"]
+    assert row["total"]["calls"] == 2
     assert (row["total"]["tokens_in"], row["total"]["tokens_out"]) == (40, 10)
     assert ledger.refusal("team-a") is None
