@@ -78,7 +78,8 @@ def test_worker_counters_add_up_to_the_batch(tmp_path, redis_url, stack):
     assert total(page, "qrq_queue_depth", backend="ja", priority="train") == 24
     assert total(page, "qrq_queue_depth", backend="fx", priority="val") == 13  # 100 / 8 per task
     assert total(page, "qrq_max_concurrent", backend="ja") == 8
-    assert total(page, "qrq_rate_limit_per_minute", backend="ja", limit="rpm") == 1200
+    assert total(page, "qrq_limit_requests_per_second", backend="ja") == 20  # base units
+    assert total(page, "qrq_rate_limit_per_minute", backend="ja", limit="rpm") == 1200  # alias
     assert total(page, "qrq_breaker_state", backend="ja") == 0
     # When a threads worker and a prefork worker serve them with metrics on
     workers = start_workers(config_path, [
@@ -183,6 +184,9 @@ def test_grafana_dashboard_uses_only_exported_metric_names(tmp_path):
                for name in re.findall(r"\bqrq_[a-z0-9_]+", target["expr"])}
     assert queried and queried <= exported, queried - exported
     # and every exported series has a panel
-    assert exported - queried <= {"qrq_limiter_wait_seconds_bucket", "qrq_bucket_level",
+    deprecated = {"qrq_rate_limit_per_minute", "qrq_bucket_level", "qrq_budget_limit",
+                  "qrq_budget_used"}  # kept one release under their old names
+    assert exported - queried <= {"qrq_limiter_wait_seconds_bucket", "qrq_bucket_requests",
+                                  "qrq_bucket_tokens", "qrq_limit_tokens_per_second",
                                   "qrq_limiter_wait_seconds_count",
-                                  "qrq_backend_latency_seconds_count"}
+                                  "qrq_backend_latency_seconds_count", *deprecated}

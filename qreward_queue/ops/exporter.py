@@ -44,6 +44,9 @@ from .status import backend_rows
 
 BREAKER_STATES = {"closed": 0, "half-open": 1, "open": 2}
 OTHER_JOB = "other"  # the label of the jobs beyond [jobs] max_labels
+LIMIT_UNITS = {"rpm": "requests", "tpm": "tokens"}  # what each limiter limit counts
+BUDGET_CAPS = {"tokens_per_hour": ("tokens", "hour"), "tokens_total": ("tokens", "total"),
+               "cost_per_hour": ("cost", "hour"), "cost_total": ("cost", "total")}
 
 
 class RedisStateCollector:
@@ -64,9 +67,17 @@ class RedisStateCollector:
             ("leases_in_use", "Concurrency leases held now", ["backend"]),
             ("max_concurrent", "Configured concurrency limit", ["backend"]),
             ("adaptive_limit", "Concurrency limit the AIMD controller allows now", ["backend"]),
-            ("rate_limit_per_minute", "Rate the limiter enforces now", ["backend", "limit"]),
-            ("bucket_level", "Units left in the bucket (negative: booked ahead)",
-             ["backend", "limit"]),
+            ("limit_requests_per_second", "Requests per second the limiter enforces now",
+             ["backend"]),
+            ("limit_tokens_per_second", "Tokens per second the limiter enforces now", ["backend"]),
+            ("bucket_requests", "Requests left in the rpm bucket (negative: booked ahead)",
+             ["backend"]),
+            ("bucket_tokens", "Tokens left in the tpm bucket (negative: booked ahead)",
+             ["backend"]),
+            ("rate_limit_per_minute", "Deprecated (one release): qrq_limit_requests_per_second "
+             "and qrq_limit_tokens_per_second, per minute", ["backend", "limit"]),
+            ("bucket_level", "Deprecated (one release): qrq_bucket_requests and "
+             "qrq_bucket_tokens", ["backend", "limit"]),
             ("recent_429s", "429s answered in the last minute", ["backend"]),
             ("paused_seconds", "Seconds left in a 429 pause", ["backend"]),
             ("breaker_state", "Circuit breaker: 0 closed, 1 half-open, 2 open", ["backend"]),
@@ -77,8 +88,14 @@ class RedisStateCollector:
                      ("tokens", "Tokens of backend calls", ["backend", "direction"]),
                      ("estimated_calls", "Calls whose reply gave no usage", ["backend"]),
                      ("cost", "Cost of backend calls (per the [price])", ["backend"]))}
-        budget = {name: GaugeMetricFamily(f"qrq_budget_{name}", doc, labels=["backend", "cap"])
-                  for name, doc in (("limit", "A budget cap"), ("used", "A budget cap's use"))}
+        budget = {f"{unit}_{name}": GaugeMetricFamily(
+            f"qrq_budget_{unit}_{name}", f"{doc} in {unit} (window: hour or total)",
+            labels=["backend", "window"])
+            for unit in ("tokens", "cost")
+            for name, doc in (("limit", "A budget cap"), ("used", "A budget cap's use"))}
+        budget |= {name: GaugeMetricFamily(  # deprecated, one release: a unit in a label
+            f"qrq_budget_{name}", f"Deprecated (one release): qrq_budget_tokens_{name} and "
+            f"qrq_budget_cost_{name}", labels=["backend", "cap"]) for name in ("limit", "used")}
         for row in backend_rows(app):
             name = row["backend"]
             total = row["spend"]["total"]
@@ -88,8 +105,10 @@ class RedisStateCollector:
             spend["estimated_calls"].add_metric([name], total["estimated_calls"])
             spend["cost"].add_metric([name], total["cost"])
             for cap, figures in row["spend"]["budgets"].items():
-                budget["limit"].add_metric([name, cap], figures["limit"])
-                budget["used"].add_metric([name, cap], figures["used"])
+                unit, window = BUDGET_CAPS[cap]
+                for what in ("limit", "used"):
+                    budget[f"{unit}_{what}"].add_metric([name, window], figures[what])
+                    budget[what].add_metric([name, cap], figures[what])
             queue = app.backend_config(name).queue
             for level, depth in queue_depths(app.store, queue).items():
                 g["queue_depth"].add_metric([name, Priority.name_of(level)], depth)
@@ -102,6 +121,9 @@ class RedisStateCollector:
             g["recent_429s"].add_metric([name], row["recent_429s"])
             g["paused_seconds"].add_metric([name], row["paused_for_s"])
             for limit, figures in row["limits"].items():
+                unit = LIMIT_UNITS[limit]
+                g[f"limit_{unit}_per_second"].add_metric([name], figures["per_minute"] / 60)
+                g[f"bucket_{unit}"].add_metric([name], figures["level"])
                 g["rate_limit_per_minute"].add_metric([name, limit], figures["per_minute"])
                 g["bucket_level"].add_metric([name, limit], figures["level"])
         yield from g.values()
