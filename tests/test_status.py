@@ -12,6 +12,7 @@ from support import ROOT, judge_backend, write_config
 
 import qreward_queue as qrq
 from qreward_queue.app import QrqCelery
+from qreward_queue.flow.capacity import QueuedSamples
 from qreward_queue.ops.status import backend_rows
 
 
@@ -26,10 +27,12 @@ def test_status_reports_what_the_limiter_and_queue_hold(tmp_path, redis_url):
         (row,) = backend_rows(app)
         assert row["leases_in_use"] == 1
     limiter.feedback(429, {"retry-after": "1"})
-    # Given three queued tasks and a 429, when the status is read
+    # Given three queued tasks of 3 samples each (as a publisher counts them) and a 429, when
+    # the status is read
     app.send_task("qrq.score_chunk", kwargs={}, queue="qrq.ja", priority=6)
     app.send_task("qrq.score_chunk", kwargs={}, queue="qrq.ja", priority=0)
     app.send_task("qrq.score_chunk", kwargs={}, queue="qrq.ja", priority=9)
+    QueuedSamples(app.store).add({"qrq.ja": 9})
     (row,) = backend_rows(app)
     assert row["queued"] == 3
     assert row["recent_429s"] == 1
@@ -46,11 +49,12 @@ def test_status_reports_what_the_limiter_and_queue_hold(tmp_path, redis_url):
     assert lines[0].startswith("qrq: distributed mode")
     (ja,) = [line for line in lines if line.startswith("ja ")]
     fields = ja.split()
-    # queued tasks: all, live workers, then val/train/bulk
-    assert fields[1:5] == ["judge", "3", "0", "1/1/1"]
-    assert fields[5] == "600/600"  # rpm enforced now / configured
-    assert fields[8:10] == ["4", "1"]  # adaptive limit, 429s in the last minute
-    # breaker; ETA: 3 tasks of 3 samples (0.25 s of the rpm, the planner's chunk) at 10/s
+    # samples queued, scored per second (none: no worker), live workers, then tasks by
+    # val/train/bulk
+    assert fields[1:6] == ["judge", "9", "0.0", "0", "1/1/1"]
+    assert fields[6] == "600/600"  # rpm enforced now / configured
+    assert fields[9:11] == ["4", "1"]  # adaptive limit, 429s in the last minute
+    # breaker; ETA: 9 samples at the rpm limit, 10/s
     assert fields[-2:] == ["closed", "0.9"]
     # And --json carries the same row
     out = subprocess.run([sys.executable, "-m", "qreward_queue.cli", "status", "--json"],
@@ -59,6 +63,7 @@ def test_status_reports_what_the_limiter_and_queue_hold(tmp_path, redis_url):
     assert row["queued_by_priority"] == {"val": 1, "train": 1, "bulk": 1}
     assert (row["adaptive_limit"], row["recent_429s"], row["breaker"]) == (4, 1, "closed")
     assert row["limit_samples_per_s"] == 10 and row["eta_s"] == pytest.approx(0.9)
+    assert (row["queued_samples"], row["samples_per_s"]) == (9, 0.0)
 
 
 def test_status_in_embedded_mode_says_there_is_no_shared_state(tmp_path):

@@ -14,6 +14,7 @@ from support import ROOT, judge_backend, wait_for, write_config
 
 import qreward_queue as qrq
 from qreward_queue.app import QrqCelery
+from qreward_queue.flow.capacity import QueuedSamples
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
 
@@ -39,8 +40,14 @@ def test_watch_redraws_queue_by_priority_limits_and_eta(tmp_path, redis_url):
         redis_url=redis_url, route="ja",
     )
     app = QrqCelery(qrq.load_config(config_path))
-    for priority in (0, 6, 6, 9):
+    counts = QueuedSamples(app.store)
+
+    def queue(priority: int) -> None:  # a task of 20 samples, counted as a publisher does
         app.send_task("qrq.score_chunk", kwargs={}, queue="qrq.ja", priority=priority)
+        counts.add({"qrq.ja": 20})
+
+    for priority in (0, 6, 6, 9):
+        queue(priority)
     session = f"qrq-watch-{uuid.uuid4().hex[:8]}"
     env = {k: v for k, v in os.environ.items() if k != "QRQ_REDIS_URL"}
     command = (f"cd {shlex.quote(str(ROOT))} && QRQ_CONFIG={shlex.quote(str(config_path))} "
@@ -54,20 +61,21 @@ def test_watch_redraws_queue_by_priority_limits_and_eta(tmp_path, redis_url):
                         "the status table on the tmux screen")
         assert "qrq status --watch" in text and "Ctrl-C quits" in text
         ja, jb = row_of(text, "ja"), row_of(text, "jb")
-        # Then it reads: 4 queued, 1 val / 2 train / 1 bulk, 600 rpm, 0/8 leases, closed,
-        # and an ETA of 4 samples at 10/s
-        assert ja[:6] == ["ja", "judge", "4", "0", "1/2/1", "600/600"]
-        assert ja[-2:] == ["closed", "8.0"]  # 4 tasks of 20 samples at 10/s
-        assert jb[2:6] == ["0", "0", "0/0/0", "120/120"] and jb[-1] == "0.0"
+        # Then it reads: 80 samples queued, no worker, tasks 1 val / 2 train / 1 bulk, 600 rpm,
+        # closed, and an ETA of 80 samples at 10/s
+        assert ja[:3] == ["ja", "judge", "80"] and ja[4:7] == ["0", "1/2/1", "600/600"]
+        assert ja[-2:] == ["closed", "8.0"]
+        assert jb[2:3] + jb[4:7] == ["0", "0", "0/0/0", "120/120"] and jb[-1] == "0.0"
         # When two more validation tasks arrive and a 429 is reported, the screen follows
-        app.send_task("qrq.score_chunk", kwargs={}, queue="qrq.ja", priority=0)
-        app.send_task("qrq.score_chunk", kwargs={}, queue="qrq.ja", priority=0)
+        queue(0)
+        queue(0)
         app.limiter("ja").feedback(429, {"retry-after": "30"})
-        text = wait_for(lambda: (r := row_of(screen(session), "ja")) and r[2] == "6" and r,
+        text = wait_for(lambda: (r := row_of(screen(session), "ja")) and r[2] == "120" and r,
                         30, "the redrawn row")
-        assert text[4] == "3/2/1"
-        assert text[9] == "1"  # 429s in the last minute
-        assert float(text[10].rstrip("s")) > 20  # paused for Retry-After
+        assert text[3] == "0.0"  # samples scored per second since the last redraw
+        assert text[5] == "3/2/1"
+        assert text[10] == "1"  # 429s in the last minute
+        assert float(text[11].rstrip("s")) > 20  # paused for Retry-After
         # And Ctrl-C ends it cleanly
         tmux("send-keys", "-t", session, "C-c")
         text = wait_for(lambda: "watch-exited-" in (t := screen(session)) and t, 15,

@@ -11,7 +11,6 @@ from .. import keys
 from ..settings import Config, Route
 from ..trainer.routing import Chunk, water_fill
 
-TYPICAL_BATCH = 4096  # `qrq status` counts queued tasks as chunks of a batch this big
 QUEUED_TTL_S = 3600  # a counter left by lost messages fades
 
 

@@ -9,15 +9,16 @@ from collections.abc import Callable
 
 from ..app import QrqCelery
 from ..config import Config
-from ..flow.capacity import TYPICAL_BATCH, queue_depth, queue_depths
+from ..flow.capacity import QueuedSamples, queue_depth, queue_depths
 from ..flow.limiter import CLAIM_WINDOW_S, CORROBORATE
 from ..flow.spend import backend_spend
 from ..integrations.job_spend import job_rows
 from ..priority import Priority
-from ..trainer.routing import chunk_size
 from . import audit
 from .liveness import call_pools, live_workers
 from .plan import samples_per_call
+
+LOOK_S = 1.0  # `qrq status` measures samples/s over this long
 
 
 def backend_rows(app: QrqCelery) -> list[dict]:
@@ -41,32 +42,38 @@ def backend_rows(app: QrqCelery) -> list[dict]:
 
 
 def snapshot(app: QrqCelery, previous: dict | None = None) -> dict:
-    """Everything `qrq status --json` prints: per backend the rows above plus depth by
-    priority, breaker state, the rate limit in samples/s and the ETA of what is queued.
+    """Everything `qrq status --json` prints: per backend the rows above plus the samples
+    queued (the planner's count, `capacity.QueuedSamples`), tasks by priority, breaker state,
+    the rate limit in samples/s and the ETA of what is queued.
 
-    With the `previous` snapshot, `drain_per_s` is how fast the queue emptied since then and
-    the ETA uses it; otherwise the ETA assumes the backend runs at its rate limit."""
+    With the `previous` snapshot, `samples_per_s` is how fast the backend's calls scored
+    samples since then, `drain_per_s` how fast the queue emptied, and the ETA uses the
+    faster; otherwise the ETA assumes the backend runs at its rate limit."""
     now = time.time()
     before = {b["backend"]: b for b in (previous or {}).get("backends", [])}
     rows = backend_rows(app)
+    counts = QueuedSamples(app.store)
     for row in rows:
         backend = app.backend_config(row["backend"])
         per_call = samples_per_call(backend)
         depths = queue_depths(app.store, backend.queue)
         row["queued_by_priority"] = {Priority.name_of(level): n
                                      for level, n in depths.items() if n}
-        row["queued_samples"] = row["queued"] * chunk_size(backend, TYPICAL_BATCH)
+        row["queued_samples"] = counts.read(backend.queue)
         row["breaker"] = app.breaker(row["backend"]).state()
         rpm = row.get("limits", {}).get("rpm", {}).get("per_minute")
         row["limit_samples_per_s"] = rpm / 60 * per_call if rpm else None
         prev = before.get(row["backend"])
-        drain = None
+        drain = scored = None
         if prev is not None and previous is not None and now > previous["time"]:
-            drain = (prev["queued_samples"] - row["queued_samples"]) / (now - previous["time"])
-        row["drain_per_s"] = drain
-        speed = drain if drain and drain > 0 else row["limit_samples_per_s"]
-        row["eta_s"] = 0.0 if not row["queued"] else row["queued_samples"] / speed if speed \
-            else None
+            elapsed = now - previous["time"]
+            drain = (prev["queued_samples"] - row["queued_samples"]) / elapsed
+            calls = row["spend"]["total"]["calls"] - prev["spend"]["total"]["calls"]
+            scored = max(0, calls) * per_call / elapsed
+        row["drain_per_s"], row["samples_per_s"] = drain, scored
+        speed = max(drain or 0, scored or 0) or row["limit_samples_per_s"]
+        row["eta_s"] = 0.0 if not row["queued_samples"] else \
+            row["queued_samples"] / speed if speed else None
     audits = {r.name: audit.hours(app.store, r.name) for r in app.qrq_config.routes.values()
               if r.audit}
     return {"time": now, "backends": rows, "jobs": job_rows(app.store, app.qrq_config),
@@ -80,7 +87,8 @@ def _fmt(value: float | None, spec: str = ".0f") -> str:
 def render_snapshot(snap: dict) -> str:
     """One line per backend, as `qrq status` and `qrq status --watch` show it."""
     lines = [
-        f"{'backend':<14}{'kind':<13}{'queued':>7}{'workers':>8} {'/'.join(Priority):>15}"
+        f"{'backend':<14}{'kind':<13}{'samples':>8}{'/s':>7}{'workers':>8}"
+        f" {'tasks ' + '/'.join(Priority):>21}"
         f"{'rpm now/cfg':>14}"
         f"{'tpm level/cap':>16}{'leases':>8}{'adapt':>6}{'429s/60s':>9}{'paused':>7}"
         f"{'breaker':>10}{'eta_s':>7}"
@@ -94,8 +102,9 @@ def render_snapshot(snap: dict) -> str:
         level = f"{tpm['level']:.0f}/{tpm['capacity']:.0f}" if tpm else "-"
         leases = f"{row.get('leases_in_use', 0)}/{row.get('max_concurrent') or '-'}"
         lines.append(
-            f"{row['backend']:<14}{row['kind']:<13}{row['queued']:>7}{row['workers']:>8} "
-            f"{split:>15}{rate:>14}"
+            f"{row['backend']:<14}{row['kind']:<13}{row['queued_samples']:>8}"
+            f"{_fmt(row['samples_per_s'], '.1f'):>7}{row['workers']:>8} "
+            f"{split:>21}{rate:>14}"
             f"{level:>16}{leases:>8}{row.get('adaptive_limit') or '-':>6}"
             f"{row.get('recent_429s', 0):>9}{row.get('paused_for_s', 0.0):>6.1f}s"
             f"{row['breaker']:>10}{_fmt(row['eta_s'], '.1f'):>7}"
@@ -162,7 +171,10 @@ def render_spend(backend: str, spend: dict) -> list[str]:
 def render_status(config: Config, as_json: bool = False) -> str:
     if config.embedded:
         return "embedded mode keeps no shared state between processes; set QRQ_REDIS_URL"
-    snap = snapshot(QrqCelery(config))
+    app = QrqCelery(config)
+    first = snapshot(app)
+    time.sleep(LOOK_S)  # samples/s is measured over a short look, as `top` does
+    snap = snapshot(app, first)
     return json.dumps(snap) if as_json else render_snapshot(snap)
 
 
