@@ -7,7 +7,8 @@ import asyncio
 import time
 
 import pytest
-from support import Worker, expected, judge_backend, wait_for, write_config
+import redis
+from support import PrivateRedis, Worker, expected, judge_backend, wait_for, write_config
 
 import qreward_queue as qrq
 from qreward_queue import keys, records
@@ -26,6 +27,10 @@ def one_chunk(tag: str) -> list[dict]:
 
 @pytest.fixture
 def slow_stack(stack, tmp_path, redis_url):
+    return start_slow_stack(stack, tmp_path, redis_url)
+
+
+def start_slow_stack(stack, tmp_path, redis_url):
     judge = stack.enter_context(MockJudge(MockJudgeSettings(latency_ms=5, latency_cv=0,
                                                             hang_s=4)))
     config_path = write_config(tmp_path, {"j": judge_backend(judge.url, chunk_size=CHUNK)},
@@ -61,10 +66,15 @@ def test_a_chunks_fast_samples_arrive_before_its_slow_one_and_stay_as_they_came(
         assert (outcome.status, outcome.score) == ("ok", expected(app, "j", samples[i])), i
 
 
-def test_the_client_sleeps_in_redis_while_nothing_finishes(slow_stack, redis_client):
+def test_the_client_sleeps_in_redis_while_nothing_finishes(stack, tmp_path):
     """No poll rounds: while only the slow sample is out, the process's one reader blocks in
-    Redis and reads again only for its liveness look (every 2 s), not every few ms."""
-    app = slow_stack
+    Redis and reads again only for its liveness look (every 2 s), not every few ms. A Redis
+    of the test's own: its server-wide count of reads is then this reader's alone."""
+    server = PrivateRedis(tmp_path).start()
+    stack.callback(server.kill)
+    app = start_slow_stack(stack, tmp_path, server.url)
+    redis_client = redis.Redis.from_url(server.url)
+    stack.callback(redis_client.close)
     batch = qrq.submit_batch(one_chunk("quiet"), route="j", app=app)
     wait_for(lambda: sum(o is not None for o in batch.partial()) == CHUNK - 1, 30,
              "the fast samples' outcomes")
@@ -77,7 +87,7 @@ def test_the_client_sleeps_in_redis_while_nothing_finishes(slow_stack, redis_cli
 
 
 def xreads(client) -> int:
-    """XREAD commands the Redis server has answered (this test's reader is the only one)."""
+    """XREAD commands the Redis server has answered."""
     return client.info("commandstats").get("cmdstat_xread", {}).get("calls", 0)
 
 
