@@ -119,7 +119,7 @@ class QrqCelery(Celery):
 
 
 def celery_settings(config: Config) -> dict:
-    """Every Celery setting qrq relies on, with the reason for each in the README."""
+    """Every Celery setting qrq relies on, with the reason for each in docs/configuration.md."""
     transport = {
         "queue_order_strategy": "priority",
         "priority_steps": list(range(keys.PRIORITY_LEVELS)),

@@ -46,7 +46,7 @@ def advised_calls(
     limits: Limits, latency_s: float, workers: int = 1, want_per_s: float | None = None
 ) -> int:
     """Calls in flight per worker process (`[pool] calls`) for a backend: the pool-sizing rule
-    of the README and the examples.
+    of docs/operations.md ("Sizing a pool") and the examples.
 
     Calls in flight for the whole backend = 3 x rate x latency (Little's law, tripled for the
     spread of latencies and the worker's own time per task: 2x fell to 71-85% of the limit on

@@ -23,12 +23,15 @@ TABLES: dict[str, str] = {
     "Route": "`qrq.toml`: `[routes.NAME]`",
     "Audit": "`qrq.toml`: `[routes.NAME] audit = { ... }`",
     "GatewaySettings": "`qrq.toml`: `[gateway]`",
+    "Jobs": "`qrq.toml`: `[jobs]`",
+    "JobSettings": "`qrq.toml`: `[jobs.JOB]` (and `[jobs.JOB.budget]`)",
     "Backend": "`workers/<backend>.toml`: `[backend]` (and `[backend.options]`)",
     "Limits": "`workers/<backend>.toml`: `[limits]`",
     "Pool": "`workers/<backend>.toml`: `[pool]`",
     "Retry": "`workers/<backend>.toml`: `[retry]`",
     "Price": "`workers/<backend>.toml`: `[price]`",
-    "Budget": "`workers/<backend>.toml`: `[budget]`; `qrq.toml`: `[gateway.budget.JOB]`",
+    "Budget": "`workers/<backend>.toml`: `[budget]`; `qrq.toml`: `[jobs.JOB.budget]` (or "
+              "`[gateway.budget.JOB]`)",
 }
 
 

@@ -38,7 +38,7 @@ class Workload:
     response_tokens: float = 512
     latency_s: float = 1.0  # one HTTP backend call
     cpu_s_per_sample: float = 0.001  # function backends
-    cpu_s_per_call: float = 0.003  # qrq's own CPU around one HTTP call (README: 1-5.4 ms)
+    cpu_s_per_call: float = 0.003  # qrq's own CPU around one HTTP call (measured: 1-5.4 ms)
     workers: dict[str, int] = field(default_factory=dict)  # backend -> worker processes (1)
     cores: int = field(default_factory=lambda: os.cpu_count() or 1)
     measured_latency_s: dict[str, float] = field(default_factory=dict)  # backend -> from metrics

@@ -5,7 +5,7 @@ Every accepted shape becomes a list of cases of two kinds:
 - call: `{"fn_name": str, "args": list, "expected": value}` (a top-level function, or a
   method of LeetCode's `class Solution`, called with `args`; its return value compared).
 
-Accepted (a JSON string of any of these is read too; the table in README.md shows each):
+Accepted (a JSON string of any of these is read too; the table in docs/cpu-rewards.md shows each):
 - qrq: a list of cases in the two shapes above;
 - APPS, TACO, verl's prime_code (Eurus-2 / PRIME), code-r1: `{"inputs": [...], "outputs":
   [...], "fn_name"?}`; a stdin input or output may be a list of lines, a call's output
