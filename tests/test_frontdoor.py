@@ -304,7 +304,7 @@ def test_a_batch_with_no_worker_warns_within_seconds_and_keeps_waiting(tmp_path,
             with Worker(config, "j"):
                 status = qrq("status", cwd=ROOT, env={"QRQ_CONFIG": str(config)})
                 (row,) = [r for r in status.stdout.splitlines() if r.startswith("j ")]
-                assert row.split()[3] == "1"  # one live worker
+                assert row.split()[4] == "1"  # one live worker (after samples queued and samples/s)
                 assert proc.wait(60) == 0, stderr.text()
         finally:
             proc.kill()
