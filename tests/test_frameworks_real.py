@@ -21,6 +21,7 @@ from pydantic import BaseModel
 from support import judge_backend, start_workers, wait_for, write_config
 from test_openai_gateway import start_gateway
 
+from qreward_queue.config import Config, load_config
 from qreward_queue.integrations.job_spend import job_rows
 from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn, verdict
 
@@ -73,7 +74,7 @@ def stack(tmp_path_factory):
             stack.callback(worker.kill)
         keys = [{"key": KEY, "job": "rl-run", "priorities": ["train", "val"]}]
         url, _ = start_gateway(stack, config, {KEYS_ENV: json.dumps(keys)})
-        yield {"url": url, "judge": judge, "redis": client}
+        yield {"url": url, "judge": judge, "redis": client, "config": load_config(config)}
         client.close()
 
 
@@ -96,9 +97,9 @@ def asked(case: dict[str, str]) -> str:
     return PROMPT.replace("{question}", case["question"]).replace("{response}", case["response"])
 
 
-def spent_calls(store: redis.Redis, job: str) -> int:
-    """The calls the gateway counted for `job` (0 before its first flush)."""
-    return next((r["total"]["calls"] for r in job_rows(store) if r["job"] == job), 0)
+def spent_calls(store: redis.Redis, config: Config, job: str) -> int:
+    """The calls the workers booked for `job` (0 before their first flush)."""
+    return next((r["total"]["calls"] for r in job_rows(store, config) if r["job"] == job), 0)
 
 
 async def evaluate_all(judge: vf.Judge, samples: list[dict[str, str]]) -> list:
@@ -120,7 +121,8 @@ def test_verifiers_judge_through_the_gateway_scores_a_burst_within_the_limit(sta
     # gateway counted the job's spend
     stats = judge.stats()
     assert stats["accepted"] == n and stats["rate_limited"] == 0, stats
-    wait_for(lambda: spent_calls(stack["redis"], "rl-run") == n, 10, "the job's spend")
+    wait_for(lambda: spent_calls(stack["redis"], stack["config"], "rl-run") == n, 10,
+             "the job's spend")
 
 
 def test_verifiers_structured_output_judge_gets_the_parsed_grade(stack):
