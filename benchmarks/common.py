@@ -56,7 +56,7 @@ def judge_config(
 ) -> dict:
     """The backend file of a judge at `url` (a mock judge's base URL) with these limits and
     `calls` in flight per worker process (2 chunk tasks at once); `calls=None`: untuned, as
-    README advises (no [pool] table: the pool sizes itself)."""
+    the docs advise (no [pool] table: the pool sizes itself)."""
     pool = {} if calls is None else {"pool": {"type": "threads", "concurrency": 2, "calls": calls}}
     return {
         "backend": {"kind": "judge", "url": url + "/v1", "model": "mock", "timeout_s": timeout_s},

@@ -4,11 +4,11 @@
 
 S1  one backend: the mock judge allows 3000 rpm (one second's worth, 50, in its bucket) and 64
     requests in flight, latency 200 ms mean (lognormal, cv 0.5); 1,024 samples (`grpo_batch`);
-    qrq with 2 `qrq worker` processes sized by the README's rule (backend file: rpm 3000,
+    qrq with 2 `qrq worker` processes sized by the docs' rule (backend file: rpm 3000,
     max_concurrent 64: 3 x 50/s x 0.2 s = 30 in flight, 15 threads each).
 S2  shared limit and faults: the same judge, which also answers 3% of calls with a 500 and lets
-    0.5% hang past the 10 s call timeout; an untuned backend file (no [pool] table, as README
-    advises); 4 trainer processes each submit 256 samples at the same moment; 2 workers serve.
+    0.5% hang past the 10 s call timeout; an untuned backend file (no [pool] table, as the docs
+    advise); 4 trainer processes each submit 256 samples at the same moment; 2 workers serve.
     Baselines (b), (c), (d) run as 4 processes too, each configured
     with the full limit, as separate trainers would be.
 S4  a judge that really degrades: no rate limit, latency 200 ms that doubles while more than 32
@@ -109,7 +109,7 @@ class Env:
 @contextmanager
 def scenario_env(backend_rpm: float, faults: bool = False, degrade: bool = False):
     """`faults`: the judge answers ERROR_RATE of calls with a 500 and lets HANG_RATE hang past
-    the call timeout, and the backend file is untuned (no [pool] table), as README advises."""
+    the call timeout, and the backend file is untuned (no [pool] table), as the docs advise."""
     flush_redis()
     fault_settings = dict(error_rate=ERROR_RATE, hang_rate=HANG_RATE,
                           hang_s=2 * CALL_TIMEOUT_S) if faults else {}

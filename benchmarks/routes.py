@@ -5,7 +5,7 @@
 Mock judges run as subprocesses (`qreward_queue.testing.mock_judge.spawn`), every one with latency
 200 ms mean (lognormal, cv 0.5) and the same verdict rule, so any backend's score can be checked.
 qrq runs real `qrq worker` subprocesses, one per backend, each a thread pool sized by the
-README's rule, 3 x (rpm / 60) x latency (12, 24, 36 threads for 1200, 2400, 3600 rpm; 30 for
+The docs' rule, 3 x (rpm / 60) x latency (12, 24, 36 threads for 1200, 2400, 3600 rpm; 30 for
 3000 rpm). Redis: $QRQ_BENCH_REDIS_URL, else database 10, flushed per scenario.
 
 S4  spread: route `spread` = judges j1200, j2400, j3600 (rpm as named, 64 in flight each);
@@ -103,7 +103,7 @@ def log(message: str) -> None:
 
 
 def pool_size(rpm: float) -> int:
-    """Calls in flight for a backend's one worker, by the README's pool-sizing rule."""
+    """Calls in flight for a backend's one worker, by the docs' pool-sizing rule."""
     return advised_calls(Limits(rpm=rpm, max_concurrent=MAX_CONCURRENT), LATENCY_MS / 1000)
 
 

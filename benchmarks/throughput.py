@@ -8,11 +8,11 @@ cv 0.5). For each batch size, in the same run:
 
   async_semaphore  asyncio + aiohttp, Semaphore(64), one process (baselines.async_semaphore)
   qrq              `submit_batch` through Redis to `--workers` real `qrq worker` processes,
-                   pooled as the README advises for a backend with no binding limit
+                   pooled as the docs advise for a backend with no binding limit
 
 Two modes, both printed:
 
-  warm   workers pooled by the README's rule for a backend with no binding limit (`calls =
+  warm   workers pooled by the docs' rule for a backend with no binding limit (`calls =
          48`, chunk tasks at once left to the default), warmed with one batch of 2,048 samples
          first (as after a training run's first step)
   cold   "untuned, cold": for each batch size and repeat, `--workers` workers started fresh
@@ -61,7 +61,7 @@ from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn, verdict
 LATENCY_MS = 20.0
 LATENCY_CV = 0.5
 SEMAPHORE = 64
-# README's pool sizing for a backend with no binding limit: per worker process, `calls`
+# The docs' pool sizing for a backend with no binding limit: per worker process, `calls`
 # concurrent calls (latency x target rate / workers, rounded up), default chunk tasks at once.
 POOL = {"type": "threads", "calls": 48}
 LIMITS = {"rpm": 600_000, "max_concurrent": 256}  # --limits: far from binding

@@ -7,7 +7,7 @@ Needs verl (0.9.x): `bash .ci/trainers.sh` builds the venv that has it
 (~/.cache/qrq/venv-trainers); elsewhere the script says so and exits 0 without running.
 
 Each of `processes` spawned processes builds verl's `RewardLoopWorker` (the Ray actor's class)
-from verl's own config composed with README's lines for one entry point, and awaits
+from verl's own config composed with the docs' lines for one entry point, and awaits
 `coroutines` concurrent `worker.compute_score(trajectory)` on the worker's own event loop, as
 verl's agent loop does (one trajectory per call, a word-level tokenizer built in-process):
   manager   reward.reward_manager.source=importlib, name=QrqRewardManager, module.path=...
@@ -96,7 +96,7 @@ def tokenizer_dir(rows: list[dict], where: Path) -> Path:
 
 
 def reward_loop_worker(entry: str, model_path: Path):
-    """verl's RewardLoopWorker from verl's config and README's lines for `entry`."""
+    """verl's RewardLoopWorker from verl's config and the docs' lines for `entry`."""
     import verl
     from hydra import compose, initialize_config_dir
     from verl.experimental.reward_loop.reward_loop import RewardLoopWorker

@@ -8,7 +8,7 @@ C  concurrency: the backend file says 64 in flight (and rpm 6000), the mock judg
 R  rpm: the file says rpm 6000, the judge allows 1800 (30/s), 64 in flight, latency 100 ms.
    900 samples.
 
-qrq runs with 2 `qrq worker` processes, pooled by the README's rule from the FILE's limits.
+qrq runs with 2 `qrq worker` processes, pooled by the docs' rule from the FILE's limits.
 The baselines in the same run are asyncio + aiohttp Semaphore clients backing off on 429:
 one with 64 (what the file suggests) and an oracle told the server's real concurrency.
 The judge's counters are read at t = 10 s, so throughput and 429s are reported after the
