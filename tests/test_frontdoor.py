@@ -355,7 +355,8 @@ def test_k8s_has_one_deployment_per_pool_scaled_on_its_real_lists(file, redis_ur
     for priority in Priority:
         app.send_task("qrq.score_chunk", kwargs={}, queue=backend.queue, priority=priority.level)
     store = redis.Redis.from_url(redis_url)
-    lists = {k.decode() for k in store.keys("qrq:qrq.*") if store.type(k) == b"list"}
+    lists = {k.decode() for k in store.keys(f"qrq:{backend.queue}*")  # this queue's lists
+             if store.type(k) == b"list"}
     watched = {t["listName"] for t in triggers}  # every priority level kombu may use
     assert lists <= watched == set(queue_lists(backend.queue))
     assert sum(store.llen(name) for name in watched) == len(Priority)
