@@ -146,9 +146,9 @@ class CallPath:
             hedge.abandon()
 
     def _may_hedge(self, booking: Booking | None) -> bool:
-        """A budget books one call per sample, a local call has no connection to hang."""
-        return (self.config.retry.hedge and booking is None and not self.client.runs_locally
-                and (self.ledger is None or not self.ledger.has_budget))
+        """A budget books one call per sample (a call under one always has its `booking`), a
+        local call has no connection to hang."""
+        return self.config.retry.hedge and booking is None and not self.client.runs_locally
 
     async def _hedge(self, batch: list[dict]) -> Call | ScoringError | None:
         """The second call: its own grant (None when the limiter cannot start it soon, or
