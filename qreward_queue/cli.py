@@ -554,7 +554,8 @@ def dead_letters(config_path: str | None, limit: int) -> None:
 def gateway(config_path: str | None, host: str, port: int, route: str | None, max_items: int,
             max_wait_ms: float, chat_max_wait_ms: float, deadline_s: float | None) -> None:
     """Remote-RM HTTP server (OpenRLHF POST /get_reward, slime POST /slime) and an
-    OpenAI-compatible front door (POST /v1/chat/completions, GET /v1/models); GET /health."""
+    OpenAI-compatible front door (POST /v1/chat/completions, POST /v1/completions, GET
+    /v1/models); GET /health."""
     from .integrations.gateway import Gateway, serve
     from .integrations.gateway_keys import OPEN_JOB, Keys
     from .runtime import configure
@@ -569,8 +570,8 @@ def gateway(config_path: str | None, host: str, port: int, route: str | None, ma
                    f"{OPEN_JOB!r}, at any priority", err=True)
     _warn_if_open(host, "the gateway", not keys.open, "configure [gateway] keys_env or keys_file")
     click.echo(describe_mode(app.qrq_config) + f"; gateway on http://{host}:{port}"
-               " (POST /get_reward, POST /slime, POST /v1/chat/completions, GET /v1/models,"
-               " GET /health)")
+               " (POST /get_reward, POST /slime, POST /v1/chat/completions, POST /v1/completions,"
+               " GET /v1/models, GET /health)")
     deadlines = {} if deadline_s is None else {"openrlhf_deadline_s": deadline_s,
                                                "slime_deadline_s": deadline_s}
     serve(host, port, Gateway(route, MicroBatcher(max_items, max_wait_ms), **deadlines,

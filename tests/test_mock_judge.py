@@ -107,6 +107,28 @@ def test_chat_completion_shape_scores_last_user_message(make_judge, session) -> 
     assert "x-ratelimit-limit-requests" not in reply.headers  # no limit set, no headers
 
 
+def test_text_completion_judges_its_prompt(make_judge, session) -> None:
+    judge = make_judge(rpm=60)
+    ask = {"model": "m-7", "prompt": ["Grade: 2+2=4"], "max_tokens": 20}
+    reply = session.post(judge.url + "/v1/completions", json=ask)
+
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    text = f"The response was assessed. Score: {verdict('Grade: 2+2=4'):.2f}"
+    assert re.fullmatch(r"cmpl-\d+", body["id"]) and body["object"] == "text_completion"
+    assert body["model"] == "m-7" and isinstance(body["created"], int)
+    assert body["choices"] == [{"text": text, "index": 0, "logprobs": None,
+                                "finish_reason": "stop"}]
+    prompt_tokens, completion_tokens = math.ceil(12 / 4), math.ceil(len(text) / 4)
+    assert body["usage"] == {"prompt_tokens": prompt_tokens,
+                             "completion_tokens": completion_tokens,
+                             "total_tokens": prompt_tokens + completion_tokens}
+    assert "x-ratelimit-limit-requests" in reply.headers  # limited as a chat call
+    bad = session.post(judge.url + "/v1/completions", json={"model": "m", "prompt": ["a", "b"]})
+    assert bad.status_code == 400 and "'prompt'" in bad.json()["error"]["message"]
+    assert judge.stats()["accepted"] == 1 and judge.stats()["client_errors"] == 1
+
+
 def test_rewards_scores_every_item_in_order(make_judge, session) -> None:
     judge = make_judge()
     pairs = [(f"prompt {i}", "response " * i) for i in range(6)]

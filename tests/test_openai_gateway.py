@@ -90,6 +90,7 @@ def gateway(tmp_path_factory):
             "judge": judge_backend(judge.url, rpm=JUDGE_RPM, concurrency=8),
             "own": judge_backend(own.url, model="own-model-7b"),
             "lonely": judge_backend(judge.url),
+            "claude": judge_backend(judge.url, dialect="anthropic"),
         }, f"redis://{REDIS_HOST}:{REDIS_PORT}/{REDIS_DB}", route="judge", deadline_s=30)
         with config.open("a") as fh:
             fh.write('[routes.cached]\nbackends = ["judge"]\ncache = true\n'
@@ -128,15 +129,18 @@ def client(gateway, key=TEAM_A, **kwargs) -> openai.OpenAI:
     return openai.OpenAI(base_url=gateway["url"] + "/v1", api_key=key, max_retries=0, **kwargs)
 
 
-def mock_reply(raw: bytes, prompt: str, max_tokens: int | None = None) -> bytes:
-    """The bytes the mock judge sends for a one-message request (its id and time as given)."""
+def mock_reply(raw: bytes, prompt: str, text: bool = False) -> bytes:
+    """The bytes the mock judge sends for a one-message chat request (a text completion's with
+    `text`), its id and time as given."""
     got = json.loads(raw)
     content = f"The response was assessed. Score: {verdict(prompt):.2f}"
     tokens_in, tokens_out = -(-len(prompt) // 4), -(-len(content) // 4)
+    choice = {"text": content, "index": 0, "logprobs": None, "finish_reason": "stop"} if text \
+        else {"index": 0, "message": {"role": "assistant", "content": content},
+              "finish_reason": "stop"}
     return json.dumps({
-        "id": got["id"], "object": "chat.completion", "created": got["created"], "model": "mock",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
-                     "finish_reason": "stop"}],
+        "id": got["id"], "object": "text_completion" if text else "chat.completion",
+        "created": got["created"], "model": "mock", "choices": [choice],
         "usage": {"prompt_tokens": tokens_in, "completion_tokens": tokens_out,
                   "total_tokens": tokens_in + tokens_out},
     }).encode()
@@ -270,12 +274,46 @@ def test_errors_come_in_openais_shape_and_status(gateway):
     # the judge refused the request itself (a 400 of its own): a 400 quoting it
     with pytest.raises(openai.BadRequestError, match="refused"):
         chat.create(model="judge", messages=[{"role": "user", "content": "[[mock:400]]"}])
-    # legacy completions (and any other /v1 call): a 404 in OpenAI's shape saying what is served
-    with pytest.raises(openai.NotFoundError, match=r"POST /v1/completions is not served") as old:
-        client(gateway).completions.create(model="judge", prompt="x")
+    # any other /v1 call: a 404 in OpenAI's shape saying what is served
+    with pytest.raises(openai.NotFoundError, match=r"POST /v1/embeddings is not served") as old:
+        client(gateway).embeddings.create(model="judge", input="x")
     assert old.value.code == "unknown_url"
     models = [m.id for m in client(gateway).models.list()]
     assert "judge" in models and "cached" in models
+
+
+def test_text_completions_go_the_same_way_to_the_judges_completions_endpoint(gateway):
+    judge = gateway["judge"]
+    judge.reset()
+    completions = client(gateway).completions
+    reply = completions.with_raw_response.create(model="qrq/judge", prompt="Rate: 2+2=4",
+                                                  max_tokens=20, temperature=0.2)
+    assert reply.status_code == 200 and reply.headers["x-qrq-backend"] == "judge"
+    assert reply.content == mock_reply(reply.content, "Rate: 2+2=4", text=True)
+    parsed = reply.parse()
+    assert parsed.object == "text_completion" and parsed.usage.total_tokens > 0
+    one = completions.create(model="judge", prompt=["a list of one"])
+    assert one.choices[0].text.endswith(f"Score: {verdict('a list of one'):.2f}")
+    assert judge.stats()["accepted"] == 2  # each one call, at the judge's /v1/completions
+    for bad, param in [({"prompt": ["two", "prompts"]}, "prompt"), ({"prompt": [1, 2]}, "prompt"),
+                       ({"prompt": "x", "stream": True}, "stream"),
+                       ({"prompt": "x", "model": "claude"}, "model")]:
+        with pytest.raises(openai.BadRequestError) as refused:
+            completions.create(**{"model": "judge", **bad})
+        assert refused.value.body["param"] == param and param in str(refused.value), bad
+    with pytest.raises(openai.BadRequestError, match="anthropic dialect"):
+        completions.create(model="claude", prompt="x")
+    assert judge.stats()["requests"] == 2  # none of the refused ones was sent
+    with pytest.raises(openai.AuthenticationError):
+        client(gateway, key="not-a-key-at-all").completions.create(model="judge", prompt="x")
+    with pytest.raises(openai.InternalServerError) as unserved:
+        completions.create(model="lonely", prompt="x")
+    assert unserved.value.status_code == 503 and "no live worker" in str(unserved.value)
+    # a route's cache answers a text completion at temperature 0 as it does a chat request
+    cached = {"model": "cached", "prompt": "cache me too", "temperature": 0}
+    first = completions.with_raw_response.create(**cached)
+    assert completions.with_raw_response.create(**cached).headers.get("x-qrq-cache") == "hit"
+    assert json.loads(first.content)["object"] == "text_completion"
 
 
 def test_a_deadline_refusal_is_a_429_the_client_does_not_retry(gateway):

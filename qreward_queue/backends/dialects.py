@@ -8,12 +8,14 @@ rate-limit headers and overload statuses by `flow/ratelimit_headers.py` and the 
 every dialect feeds the same flow control.
 
 - `openai`: `POST {url}/chat/completions`, `Authorization: Bearer <key>`; OpenAI, vLLM, SGLang,
-  Gemini's OpenAI-compatible endpoint and most gateways.
+  Gemini's OpenAI-compatible endpoint and most gateways. A gateway's legacy text completion
+  (passthrough.py) goes to `{url}/completions`.
 - `anthropic`: the Messages API, `POST {url}/messages` with `x-api-key` and
   `anthropic-version`; the system prompt apart, `max_tokens` required, no `seed`; the reply's
   text in `content[*].text`, its usage as `input_tokens`/`output_tokens`.
 - `azure`: Azure OpenAI, the OpenAI body at `{url}/chat/completions?api-version=...` with an
   `api-key` header; `url` is `https://<resource>.openai.azure.com/openai/deployments/<name>`.
+  A text completion goes to `{url}/completions`; the anthropic dialect has none.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class Dialect:
     auth: str  # the scheme when the file sets none
     headers: tuple[tuple[str, str], ...] = ()  # sent unless the file sets the same header
     query: tuple[tuple[str, str], ...] = ()  # sent unless the file sets the same parameter
+    text_path: str | None = None  # a legacy text completion's, appended to `[backend] url`
 
     def body(self, chat: dict[str, Any]) -> dict[str, Any]:
         """The request body for an OpenAI chat body `chat`."""
@@ -76,9 +79,9 @@ class _Anthropic(Dialect):
 
 
 DIALECTS: dict[str, Dialect] = {
-    "openai": Dialect("openai", "/chat/completions", "bearer"),
+    "openai": Dialect("openai", "/chat/completions", "bearer", text_path="/completions"),
     "anthropic": _Anthropic("anthropic", "/messages", "x-api-key",
                             headers=(("anthropic-version", ANTHROPIC_VERSION),)),
     "azure": Dialect("azure", "/chat/completions", "api-key",
-                     query=(("api-version", AZURE_API_VERSION),)),
+                     query=(("api-version", AZURE_API_VERSION),), text_path="/completions"),
 }

@@ -102,13 +102,18 @@ class HttpBackend(BackendClient):
     def call(self, samples: list[dict]) -> Call:
         from .transport import post_json
 
-        return self.answer(samples, post_json(self.config, self.endpoint, self.request(samples)))
+        reply = post_json(self.config, self.url(samples), self.request(samples))
+        return self.answer(samples, reply)
 
     async def call_async(self, samples: list[dict]) -> Call:
         from .transport import post_json_async
 
-        reply = await post_json_async(self.config, self.endpoint, self.request(samples))
+        reply = await post_json_async(self.config, self.url(samples), self.request(samples))
         return self.answer(samples, reply)
+
+    def url(self, samples: list[dict]) -> str:
+        """Where the call that scores `samples` goes (one server for every call)."""
+        return self.endpoint
 
     @abstractmethod
     def request(self, samples: list[dict]) -> dict:

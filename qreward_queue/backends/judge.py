@@ -1,5 +1,7 @@
 """LLM-as-judge over an OpenAI-compatible `POST {url}/chat/completions`: one sample per call,
-or with `mode = "group"` one GRPO group per call (groups.py: the wire format).
+or with `mode = "group"` one GRPO group per call (groups.py: the wire format). A gateway's
+caller's own request goes out as it came (passthrough.py), a text completion to
+`{url}/completions`.
 
 A response is text a policy wrote to earn reward, so it never reaches the judge's
 instructions or the parser: `{response}` is fenced in a tag it cannot close
@@ -48,7 +50,9 @@ class JudgeBackend(HttpBackend):
         super().__init__(config)
         self.pattern = re.compile(config.score_pattern)
         self.dialect = DIALECTS[config.dialect]
-        self.endpoint = self.endpoint.rstrip("/") + self.dialect.path
+        base = self.endpoint.rstrip("/")
+        self.endpoint = base + self.dialect.path
+        self.text_endpoint = base + self.dialect.text_path if self.dialect.text_path else None
 
     @classmethod
     def read_dialect(cls, table: Table) -> Dialect:
@@ -137,7 +141,7 @@ class JudgeBackend(HttpBackend):
 
     def estimate_usage(self, samples: list[dict]) -> tuple[float, float]:
         """The calls' messages (a group's prompt counted once) and max_tokens per sample."""
-        if samples and passthrough.chat_request(samples[0]) is not None:  # a gateway's batch
+        if samples and passthrough.caller_request(samples[0]) is not None:  # a gateway's batch
             return passthrough.estimate_usage(samples, self.config.max_tokens)
         calls = [[samples[i] for i in call] for call in self.split(samples)]
         chars = sum(len(m["content"]) for call in calls for m in self.call_messages(call))
@@ -145,16 +149,26 @@ class JudgeBackend(HttpBackend):
 
     def input_bytes(self, samples: list[dict]) -> int:
         """The calls' messages, each with MESSAGE_OVERHEAD_BYTES for its role and markup."""
-        if samples and passthrough.chat_request(samples[0]) is not None:  # a gateway's batch
-            return sum(len(json.dumps(body.get("messages"), ensure_ascii=False).encode())
-                       for body in filter(None, map(passthrough.chat_request, samples)))
+        if samples and passthrough.caller_request(samples[0]) is not None:  # a gateway's batch
+            return sum(len(passthrough.input_text(s).encode()) for s in samples
+                       if passthrough.caller_request(s) is not None)
         calls = [[samples[i] for i in call] for call in self.split(samples)]
         return sum(len(m["content"].encode()) + MESSAGE_OVERHEAD_BYTES
                    for call in calls for m in self.call_messages(call))
 
+    def url(self, samples: list[dict]) -> str:
+        """The chat endpoint, or for a gateway's text completion `{url}/completions`."""
+        if passthrough.call_request(samples) is None or \
+                passthrough.endpoint(samples[0]) != passthrough.COMPLETIONS:
+            return self.endpoint
+        if self.text_endpoint is None:
+            raise PermanentError(f"the {self.dialect.name} dialect has no text completions "
+                                 "endpoint (POST /v1/completions needs an openai or azure judge)")
+        return self.text_endpoint
+
     def request(self, samples: list[dict]) -> dict:
-        if (chat := passthrough.call_request(samples)) is not None:
-            return passthrough.payload(chat, self.config.model)
+        if (body := passthrough.call_request(samples)) is not None:
+            return passthrough.payload(body, self.config.model)
         payload: dict[str, Any] = {
             "model": self.config.model,
             "messages": self.call_messages(samples),

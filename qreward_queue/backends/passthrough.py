@@ -1,10 +1,12 @@
-"""A caller's own chat request, sent to a judge as it came: the gateway's OpenAI front door.
+"""A caller's own request, sent to a judge as it came: the gateway's OpenAI front door.
 
-`qrq gateway` puts the body of a `POST /v1/chat/completions` in the sample's
-`extra["qrq_chat_request"]`. A judge sends that body (with its own `model`) instead of its
-template, books the call's tokens from its messages and `max_tokens`, parses no score (0.0),
-and hands the reply's body back byte for byte, as the server sent it, in the outcome's
-`detail`. Everything else (limiter, breaker, budget, retries, failover) is the judge's as usual.
+`qrq gateway` puts the body of a `POST /v1/chat/completions` (or of a legacy `POST
+/v1/completions`) in the sample's `extra["qrq_request"]`, and which of the two it is in
+`extra["qrq_endpoint"]`. A judge sends that body (with its own `model`) to the same endpoint
+of its own URL instead of its template, books the call's tokens from its messages (or
+prompt) and `max_tokens`, parses no score (0.0), and hands the reply's body back byte for
+byte, as the server sent it, in the outcome's `detail`. Everything else (limiter, breaker,
+budget, retries, failover) is the judge's as usual.
 """
 
 from __future__ import annotations
@@ -17,19 +19,26 @@ from .base import Call, usage_split, usage_tokens
 if TYPE_CHECKING:
     from .transport import Reply
 
-CHAT_REQUEST = "qrq_chat_request"
+REQUEST, ENDPOINT = "qrq_request", "qrq_endpoint"
+CHAT, COMPLETIONS = "chat", "completions"  # ENDPOINT's values (none: chat)
+INPUT = {CHAT: "messages", COMPLETIONS: "prompt"}  # what the model reads, per endpoint
 
 
-def chat_request(sample: dict) -> dict[str, Any] | None:
+def caller_request(sample: dict) -> dict[str, Any] | None:
     """The caller's request body `sample` carries, None for a sample the judge templates."""
     extra = sample.get("extra")
-    body = extra.get(CHAT_REQUEST) if isinstance(extra, dict) else None
+    body = extra.get(REQUEST) if isinstance(extra, dict) else None
     return body if isinstance(body, dict) else None
+
+
+def endpoint(sample: dict) -> str:
+    """Which endpoint the caller's body of `sample` was sent to: CHAT or COMPLETIONS."""
+    return COMPLETIONS if sample["extra"].get(ENDPOINT) == COMPLETIONS else CHAT
 
 
 def call_request(samples: list[dict]) -> dict[str, Any] | None:
     """The request body of a one-sample call carrying one, else None."""
-    return chat_request(samples[0]) if len(samples) == 1 else None
+    return caller_request(samples[0]) if len(samples) == 1 else None
 
 
 def payload(body: dict[str, Any], model: str | None) -> dict[str, Any]:
@@ -37,15 +46,23 @@ def payload(body: dict[str, Any], model: str | None) -> dict[str, Any]:
     return {**body, "model": model}
 
 
+def input_text(sample: dict) -> str:
+    """The JSON of what the model reads in the caller's body: its messages, or its prompt."""
+    body = caller_request(sample) or {}
+    return json.dumps(body.get(INPUT[endpoint(sample)]), ensure_ascii=False)
+
+
 def estimate_usage(samples: list[dict], default_max_tokens: int) -> tuple[float, float]:
-    """Tokens in (the messages' JSON, 4 characters a token) and out (each caller's bound, else
+    """Tokens in (the input's JSON, 4 characters a token) and out (each caller's bound, else
     the judge's `max_tokens`) of a gateway's samples (its batches hold nothing else)."""
     tokens_in = tokens_out = 0.0
-    for body in filter(None, map(chat_request, samples)):
+    for sample in samples:
+        if (body := caller_request(sample)) is None:
+            continue
         out = body.get("max_completion_tokens") or body.get("max_tokens")
         if isinstance(out, bool) or not isinstance(out, int) or out < 1:
             out = default_max_tokens
-        tokens_in += len(json.dumps(body.get("messages"), ensure_ascii=False)) / 4
+        tokens_in += len(input_text(sample)) / 4
         tokens_out += out
     return tokens_in, tokens_out
 

@@ -6,7 +6,7 @@ front door (openai_gateway.py), micro-batched onto qrq.
     POST /slime        slime --rm-type remote_rm: {"prompt", "response", "label"} -> a number
     GET  /health       {"status": "ok", "mode": "distributed" | "embedded", "pending": samples
                         waiting, "batches_sent": batches sent so far}
-    POST /v1/chat/completions, GET /v1/models   see openai_gateway.py
+    POST /v1/chat/completions, POST /v1/completions, GET /v1/models   see openai_gateway.py
 
 Callers: with `[gateway]` keys configured (gateway_keys.py) every endpoint but /health needs
 `Authorization: Bearer <key>` (a wrong one is a 401) and a request runs at a priority its key

@@ -5,9 +5,10 @@
                                 through the queue and a worker: the global limiter, breaker,
                                 budgets, retries and failover. The reply is the judge's own
                                 JSON, byte for byte (its usage, its model name).
+    POST /v1/completions        the legacy text completion (`prompt`, a string), the same way
+                                to the judge's `{url}/completions`
     GET  /v1/models             the routes a request may name
-    any other /v1/...           404 in OpenAI's shape (`/v1/completions` included: judges
-                                are called through their chat endpoint only)
+    any other /v1/...           404 in OpenAI's shape
 
 Per request: `X-Qrq-Priority: val|train|bulk` (limited to the caller's key, see
 gateway_keys.py), `X-Qrq-Deadline-S` (else [defaults] deadline_s). With `cache = true` on the
@@ -36,7 +37,8 @@ from typing import Any
 from aiohttp import web
 
 from .. import keys
-from ..backends.passthrough import CHAT_REQUEST
+from ..backends import passthrough
+from ..backends.dialects import DIALECTS
 from ..errors import RedisUnreachable, UnknownRoute
 from ..ops.liveness import live_workers
 from ..runtime import get_app
@@ -69,7 +71,8 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
 
 
 class ChatCompletions:
-    """The /v1 handlers over their own micro-batcher (its batches hold chat requests only)."""
+    """The /v1 handlers over their own micro-batcher (its batches hold callers' requests
+    only: chat, and text completions)."""
 
     def __init__(self, batcher: MicroBatcher, ledger: JobLedger,
                  job_of: Callable[[web.Request], Job]):
@@ -78,8 +81,9 @@ class ChatCompletions:
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
-        app.router.add_route("*", "/v1/{tail:.*}", unserved)  # after the two served ones
+        app.router.add_route("*", "/v1/{tail:.*}", unserved)  # after the served ones
 
     async def models(self, request: web.Request) -> web.Response:
         self.job_of(request)
@@ -89,15 +93,21 @@ class ChatCompletions:
             {"id": name, "object": "model", "created": 0, "owned_by": "qrq"} for name in names]})
 
     async def chat(self, request: web.Request) -> web.Response:
+        return await self._relay(request, passthrough.CHAT)
+
+    async def completions(self, request: web.Request) -> web.Response:
+        return await self._relay(request, passthrough.COMPLETIONS)
+
+    async def _relay(self, request: web.Request, endpoint: str) -> web.Response:
+        """A caller's request to `endpoint` (passthrough.CHAT or COMPLETIONS), validated,
+        through the queue to a judge of its route; the judge's reply as it came."""
         job = self.job_of(request)
         body = await _json_object(request)
-        route = _route_of(body)
+        route = _route_of(body, endpoint)
         if body.get("stream"):
             raise bad_request("stream: true is not supported: qrq's gateway answers whole "
                               "replies (set stream to false)", "stream")
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise bad_request("'messages' must be a non-empty list of messages", "messages")
+        CHECKS[endpoint](body)
         try:
             priority = job.priority(request.headers.get(PRIORITY_HEADER))
         except ValueError as exc:
@@ -109,11 +119,11 @@ class ChatCompletions:
             raise ApiError(429, refusal, "insufficient_quota", "insufficient_quota",
                            headers=NO_RETRY)
         await self._require_worker(route)
-        cache_key = _cache_key(route, body)
+        cache_key = _cache_key(route, endpoint, body)
         if cache_key and (hit := await _cache_get(cache_key)) is not None:
             return _raw(hit, {"x-qrq-cache": "hit"})
-        sample = {"prompt": "", "response": "",
-                  "extra": {CHAT_REQUEST: body, "request": uuid.uuid4().hex}}  # never merged
+        sample = {"prompt": "", "response": "", "extra": {  # a unique "request": never merged
+            passthrough.REQUEST: body, passthrough.ENDPOINT: endpoint, "request": uuid.uuid4().hex}}
         try:
             outcome = await asyncio.wait_for(
                 self.batcher.score(sample, route.name, priority, deadline_s, job.name),
@@ -149,17 +159,36 @@ class ChatCompletions:
 
 
 async def unserved(request: web.Request) -> web.Response:
-    """Any other /v1 call (legacy `/v1/completions`, `/v1/responses`, embeddings...): a 404 in
-    OpenAI's shape that says what is served, not aiohttp's plain-text one a client cannot read.
-    Judges answer chat only (passthrough.py posts to their chat endpoint), so there is no
-    completions route to offer."""
+    """Any other /v1 call (`/v1/responses`, embeddings...): a 404 in OpenAI's shape that says
+    what is served, not aiohttp's plain-text one a client cannot read."""
     raise ApiError(404, f"{request.method} {request.path} is not served: qrq's gateway serves "
-                        "POST /v1/chat/completions and GET /v1/models", "invalid_request_error",
-                   "unknown_url")
+                        "POST /v1/chat/completions, POST /v1/completions and GET /v1/models",
+                   "invalid_request_error", "unknown_url")
 
 
-def _servable(name: str) -> str | None:
-    """Why route `name` cannot take chat requests, None when it can."""
+def _check_messages(body: dict[str, Any]) -> None:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list of messages", "messages")
+
+
+def _check_prompt(body: dict[str, Any]) -> None:
+    """One prompt, as a string or a list of one string: a judge answers one text per call
+    (token-id prompts and batches of prompts are not relayed)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise bad_request("'prompt' must be a non-empty string (or a list of one string)",
+                          "prompt")
+
+
+CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
+    passthrough.CHAT: _check_messages, passthrough.COMPLETIONS: _check_prompt}
+
+
+def _servable(name: str, endpoint: str = passthrough.CHAT) -> str | None:
+    """Why route `name` cannot take requests to `endpoint`, None when it can."""
     config = get_app().qrq_config
     route = config.route(name)
     if route.votes:
@@ -169,10 +198,13 @@ def _servable(name: str) -> str | None:
             return f"backend {backend.name!r} of route {name!r} is a {backend.kind}, not a judge"
         if backend.mode != "sample":
             return f"judge {backend.name!r} of route {name!r} judges groups (mode = \"group\")"
+        if endpoint == passthrough.COMPLETIONS and DIALECTS[backend.dialect].text_path is None:
+            return (f"judge {backend.name!r} of route {name!r} speaks the {backend.dialect} "
+                    "dialect, which has no text completions (use /v1/chat/completions)")
     return None
 
 
-def _route_of(body: dict[str, Any]) -> Route:
+def _route_of(body: dict[str, Any], endpoint: str) -> Route:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("'model' must name a qrq route (or qrq/<route>)", "model")
@@ -182,7 +214,7 @@ def _route_of(body: dict[str, Any]) -> Route:
     except UnknownRoute as exc:
         raise ApiError(404, f"model {model!r}: {exc}", "invalid_request_error",
                        "model_not_found", "model") from None
-    if (why := _servable(route.name)) is not None:
+    if (why := _servable(route.name, endpoint)) is not None:
         raise bad_request(f"model {model!r}: {why}", "model")
     return route
 
@@ -227,15 +259,17 @@ def _raw(text: str, headers: dict[str, str]) -> web.Response:
     return web.Response(body=text.encode(), content_type="application/json", headers=headers)
 
 
-def _cache_key(route: Route, body: dict[str, Any]) -> str | None:
-    """The reply cache's key of a request (the route's identity, the body's exact content),
-    None when it must not be cached: the route's cache is off, or the temperature is not 0."""
+def _cache_key(route: Route, endpoint: str, body: dict[str, Any]) -> str | None:
+    """The reply cache's key of a request (the route's identity, the endpoint, the body's exact
+    content), None when it must not be cached: the route's cache is off, or the temperature
+    is not 0."""
     if not route.cache or body.get("temperature") not in (0, 0.0) or body.get("n", 1) != 1:
         return None
     from ..cache import reward_identity
 
     identity = reward_identity(get_app().qrq_config, route)
-    digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:32]
+    text = json.dumps([endpoint, body], sort_keys=True)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:32]
     return keys.gateway_reply(identity, digest)
 
 

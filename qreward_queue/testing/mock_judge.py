@@ -29,6 +29,9 @@ parser that reads the first score reads the response's.
 Endpoints:
     POST /v1/chat/completions  {"model", "messages": [{"role", "content"}, ...], "max_tokens"?}
                                -> an OpenAI chat.completion saying "... Score: 0.42"
+    POST /v1/completions       {"model", "prompt": text (or a list of one), "max_tokens"?} ->
+                               a text_completion: the prompt judged as a chat call's one user
+                               message, its text in choices[0].text
     POST /v1/rewards           {"items": [{"prompt", "response"}, ...]} -> {"scores", "usage"}
     GET /stats, POST /stats/reset, GET /health
     POST /hold {"answer": n}   answer n more calls, then hold every reply until POST /release
@@ -578,6 +581,37 @@ def _anthropic_call(body: bytes, settings: MockJudgeSettings) -> _Call:
     return call
 
 
+def _completion_call(body: bytes, settings: MockJudgeSettings) -> _Call:
+    """A legacy text completion, judged as a chat call whose one user message is its prompt;
+    its reply a text_completion."""
+    payload = _load_object(body)
+    prompt = payload.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise _BadRequest("'prompt' must be a string (or a list of one string)")
+    chat = {**payload, "messages": [{"role": "user", "content": prompt}]}
+    del chat["prompt"]
+    call = _parse_chat(json.dumps(chat).encode(), settings)
+    chat_reply = call.reply
+    call.reply = lambda: _as_text_completion(chat_reply())
+    return call
+
+
+def _as_text_completion(chat_reply: Json) -> Json:
+    """A chat.completion reply as a text_completion."""
+    choice = chat_reply["choices"][0]
+    return {
+        "id": chat_reply["id"].replace("chatcmpl-", "cmpl-", 1),
+        "object": "text_completion",
+        "created": chat_reply["created"],
+        "model": chat_reply["model"],
+        "choices": [{"text": choice["message"]["content"], "index": 0, "logprobs": None,
+                     "finish_reason": choice["finish_reason"]}],
+        **{k: v for k, v in chat_reply.items() if k == "usage"},
+    }
+
+
 _ANTHROPIC_ERRORS = {400: "invalid_request_error", 401: "authentication_error",
                      404: "not_found_error", 429: "rate_limit_error", 529: "overloaded_error"}
 
@@ -701,6 +735,8 @@ class _Handler(BaseHTTPRequestHandler):
         match self.command, path:
             case "POST", "/v1/chat/completions":
                 self._score(body, lambda chat: _parse_chat(chat, judge.settings))
+            case "POST", "/v1/completions":
+                self._score(body, lambda raw: _completion_call(raw, judge.settings))
             case "POST", "/v1/rewards":
                 self._score(body, _parse_rewards)
             case "POST", "/v1/messages":
