@@ -21,8 +21,8 @@ from sentinel_cluster import SERVICE, PromotionWatch, SentinelCluster
 from support import expected, judge_backend, start_workers, wait_for, write_config
 
 import qreward_queue
-from qreward_queue.app import REDIS_READ_TIMEOUT_S
-from qreward_queue.runtime import check_redis
+from qreward_queue.broker.app import REDIS_READ_TIMEOUT_S
+from qreward_queue.config.redis_conn import check_redis
 from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn
 
 SAMPLES = 2000

@@ -23,14 +23,14 @@ from qreward_queue import backends
 from qreward_queue.backends import BackendClient, Call, make_backend
 from qreward_queue.backends.judge import JudgeBackend
 from qreward_queue.backends.reward_model import RewardModelBackend
-from qreward_queue.cache import reward_identity
-from qreward_queue.cli import cli
-from qreward_queue.config import ConfigError, load_backend, load_config
-from qreward_queue.errors import RateLimited
+from qreward_queue.broker.cache import reward_identity
+from qreward_queue.cli.main import cli
+from qreward_queue.config.loader import load_backend, load_config
+from qreward_queue.config.model import Backend
+from qreward_queue.config.toml_table import Table
+from qreward_queue.errors import ConfigError, RateLimited
 from qreward_queue.ops.plan import Workload, plan_route
-from qreward_queue.settings import Backend
-from qreward_queue.toml_table import Table
-from qreward_queue.trainer.routing import chunk_size, plan
+from qreward_queue.planning.routing import chunk_size, plan
 
 TESTS = Path(__file__).resolve().parent
 PER_CALL = 4
@@ -176,7 +176,7 @@ def test_a_real_worker_scores_with_the_new_kind(tmp_path, redis_url, redis_clien
     config_path = quad_config(tmp_path, redis_url, scale=2.0, record_url=redis_url)
     launcher = ("-c", f"import sys; sys.path.insert(0, {str(TESTS)!r}); "
                 "import test_backend_kinds as t; t.register(); "
-                "from qreward_queue.cli import main; sys.argv[0] = 'qrq'; main()")
+                "from qreward_queue.cli.main import main; sys.argv[0] = 'qrq'; main()")
     worker = Worker(config_path, "q", launcher=launcher)
     stack.callback(worker.kill)
     app = qreward_queue.configure(qreward_queue.load_config(config_path))

@@ -19,11 +19,11 @@ from support import free_port
 
 from qreward_queue.backends import make_backend
 from qreward_queue.backends.function import FunctionBackend
+from qreward_queue.backends.injection import fence, fence_note
 from qreward_queue.backends.judge import JudgeBackend
 from qreward_queue.backends.reward_model import RewardModelBackend
-from qreward_queue.config import Backend, Retry
+from qreward_queue.config.model import Backend, Retry
 from qreward_queue.errors import PermanentError, RateLimited, ScoringError, TransientError
-from qreward_queue.injection import fence, fence_note
 from qreward_queue.testing.mock_judge import MockJudge, MockJudgeSettings, rm_verdict, verdict
 from qreward_queue.worker.tasks import ChunkRunner
 
@@ -599,7 +599,7 @@ def test_judge_score_policies(policy, score_range, content, expected):
 
 
 def test_default_judge_file_bounds_scores_to_the_template_scale(tmp_path):
-    from qreward_queue.config import load_backend
+    from qreward_queue.config.loader import load_backend
 
     path = tmp_path / "j.toml"
     path.write_text('[backend]\nkind = "judge"\nurl = "http://h/v1"\nmodel = "m"\n')
@@ -643,7 +643,7 @@ def test_slots_go_back_when_booking_a_chunks_grants_raises(judge, monkeypatch, o
 def test_a_slot_woken_for_a_cancelled_caller_goes_to_the_next_waiter():
     import asyncio
 
-    from qreward_queue.config import Pool
+    from qreward_queue.config.model import Pool
     from qreward_queue.worker.call_loop import Slots
     from qreward_queue.worker.call_pool import CallSizing
 

@@ -15,14 +15,14 @@ import fakeredis
 import pytest
 from support import wait_for
 
-from qreward_queue.app import QrqCelery
 from qreward_queue.backends import Call
-from qreward_queue.config import Backend, Config, Limits, Pool, Retry, Route
+from qreward_queue.broker.app import QrqCelery
+from qreward_queue.config.model import Backend, Config, Limits, Pool, Retry, Route
 from qreward_queue.errors import RateLimited
 from qreward_queue.flow.breaker import CircuitBreaker
-from qreward_queue.flow.capacity import route_shares
 from qreward_queue.flow.ratelimit_headers import Feedback
-from qreward_queue.trainer.routing import Chunk, plan, spread, water_fill
+from qreward_queue.planning.capacity import route_shares
+from qreward_queue.planning.routing import Chunk, plan, spread, water_fill
 from qreward_queue.worker import call_path
 from qreward_queue.worker.chunk_runner import ChunkRunner
 
@@ -333,6 +333,6 @@ def test_route_shares_follow_rates_skip_open_circuits_and_count_backlog():
     assert shares == pytest.approx([75, 150, 75])
     app.store.delete("qrq:queued:qrq.c")
     # an open circuit gets nothing
-    app.breaker("b").failure()
-    assert app.breaker("b").is_open()
+    app.flow.breaker("b").failure()
+    assert app.flow.breaker("b").is_open()
     assert route_shares(app, route, 300) == pytest.approx([75, 0, 225])

@@ -20,7 +20,7 @@ from support import (
 )
 
 import qreward_queue
-from qreward_queue.cache import reward_identity
+from qreward_queue.broker.cache import reward_identity
 from qreward_queue.ops.status import queue_depth
 from qreward_queue.testing.mock_judge import MockJudgeSettings, rm_verdict, spawn
 

@@ -29,7 +29,7 @@ from support import (
 )
 
 import qreward_queue
-from qreward_queue.cli import cli
+from qreward_queue.cli.main import cli
 from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn
 
 FALLBACK = -1.0
@@ -59,7 +59,7 @@ def test_a_channel_with_nothing_remembered_reports_a_connection_error(redis_url)
     # kombu and Celery treat redis.ConnectionError as "broker gone, reconnect"
     from kombu import Connection
 
-    import qreward_queue.app  # noqa: F401
+    import qreward_queue.broker.app  # noqa: F401
 
     with Connection(redis_url) as conn:
         channel = conn.default_channel
@@ -429,7 +429,7 @@ def test_rate_limit_headers_of_a_hostile_backend_cannot_stop_it(tmp_path, redis_
     # Then every sample of both is scored: the bad values were ignored or bounded
     assert [(o.status, o.score) for o in first + second] == [("ok", 0.5)] * 40, first + second
     # and what was bounded shows in `qrq status` for a while
-    bounded = app.limiter("j").status()["bounded"]
+    bounded = app.flow.limiter("j").status()["bounded"]
     assert bounded and "x-ratelimit-reset-requests" in bounded, bounded
 
 
@@ -532,7 +532,7 @@ def test_429s_without_a_usable_retry_after_cost_only_their_own_samples(
     samples[3]["prompt"] = "throttle<-5>"
     samples[17]["prompt"] = "throttle<soon-ish>"
     batch = qreward_queue.submit_batch(samples, route="j", app=app, deadline_s=60)
-    limiter, pauses = app.limiter("j"), []
+    limiter, pauses = app.flow.limiter("j"), []
     while not batch.done():  # a pause is in force for its whole length: a poll sees it
         pauses.append(limiter.status()["paused_for_s"])
         time.sleep(0.02)
@@ -574,7 +574,7 @@ def test_one_reply_claiming_a_tiny_limit_does_not_throttle_the_backend(
     outcomes = batch.outcomes()
     # Then all are scored at the configured rate: one reply's word was not believed...
     assert [(o.status, o.score) for o in outcomes] == [("ok", 0.5)] * 20, outcomes
-    rpm = app.limiter("j").status()["limits"]["rpm"]
+    rpm = app.flow.limiter("j").status()["limits"]["rpm"]
     assert rpm["per_minute"] == 6000 and rpm["learned"]["believed"] is False, rpm
     # ...and `qrq status` shows what was told, and why it was not believed
     shown = CliRunner().invoke(cli, ["status", "--config", str(config_path)])

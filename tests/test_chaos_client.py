@@ -19,7 +19,7 @@ from support import PrivateRedis, Worker, free_port, judge_backend, wait_for, wr
 
 import qreward_queue
 from qreward_queue.backends.transport import post_json, post_json_async
-from qreward_queue.config import Backend
+from qreward_queue.config.model import Backend
 from qreward_queue.errors import PermanentError, RedisUnreachable, TransientError
 from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn
 from qreward_queue.worker.call_loop import call_loop

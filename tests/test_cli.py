@@ -15,8 +15,8 @@ from click.testing import CliRunner
 from support import ROOT, judge_backend, write_config
 
 from qreward_queue.backends.judge import JudgeBackend
-from qreward_queue.cli import cli
-from qreward_queue.config import load_config
+from qreward_queue.cli.main import cli
+from qreward_queue.config.loader import load_config
 from qreward_queue.testing.mock_judge import MockJudge, MockJudgeSettings, verdict
 
 MODE_LINE = "qrq: embedded mode"

@@ -15,8 +15,8 @@ from click.testing import CliRunner
 from tqdm import tqdm
 
 from qreward_queue.backends.judge import JudgeBackend
-from qreward_queue.cli import cli, settle_bar
-from qreward_queue.config import load_config
+from qreward_queue.cli.main import cli, settle_bar
+from qreward_queue.config.loader import load_config
 from qreward_queue.errors import Cancelled, DeadlineExceeded
 from qreward_queue.samples import Outcome
 from qreward_queue.testing.mock_judge import MockJudge, MockJudgeSettings, verdict

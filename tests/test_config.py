@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from qreward_queue.config import Config, load_backend, load_config
+from qreward_queue.config.loader import load_backend, load_config
+from qreward_queue.config.model import Config
 from qreward_queue.errors import ConfigError, UnknownRoute
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -483,7 +484,7 @@ def test_price_and_budget_mistakes_name_file_and_key(tmp_path, tables, expected)
 
 
 def test_price_and_budget_load(tmp_path):
-    from qreward_queue.config import Budget, Price
+    from qreward_queue.config.model import Budget, Price
 
     backend = load_backend(write_backend(tmp_path, "j", JUDGE + (
         "[price]\ninput_per_million = 0.15\noutput_per_million = 0.6\n"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from qreward_queue.config import Retry
+from qreward_queue.config.model import Retry
 from qreward_queue.errors import RateLimited
 from qreward_queue.worker.retry import Next, RetryPolicy, Tries
 

@@ -217,7 +217,7 @@ def test_k8s_manifests_pass_the_kubernetes_schemas():
 
 @pytest.mark.parametrize("backend", WORKER_FILES)
 def test_each_pool_runs_non_root_and_scales_on_every_priority_list(backend):
-    from qreward_queue.config import load_backend
+    from qreward_queue.config.loader import load_backend
     from qreward_queue.keys import queue_lists
 
     deployment, scaled = k8s_docs(f"worker-{backend}.yaml")

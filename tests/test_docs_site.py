@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 from support import ROOT
 
-from qreward_queue import settings
-from qreward_queue.cli import cli
+from qreward_queue.cli.main import cli
+from qreward_queue.config import model as settings
 
 pytest.importorskip("mkdocs", reason="needs the docs extra: pip install -e '.[docs]'")
 sys.path.insert(0, str(ROOT / "docs" / "hooks"))

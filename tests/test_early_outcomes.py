@@ -11,7 +11,8 @@ import redis
 from support import PrivateRedis, Worker, expected, judge_backend, wait_for, write_config
 
 import qreward_queue as qrq
-from qreward_queue import keys, records
+from qreward_queue import keys
+from qreward_queue.broker import records
 from qreward_queue.testing.mock_judge import MockJudge, MockJudgeSettings
 from qreward_queue.trainer.batcher import MicroBatcher
 

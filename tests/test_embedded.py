@@ -17,9 +17,10 @@ import pytest
 from support import judge_backend, wait_for, write_config
 
 import qreward_queue
-from qreward_queue.app import QrqCelery
 from qreward_queue.backends.judge import JudgeBackend
-from qreward_queue.config import Backend, Config, load_config
+from qreward_queue.broker.app import QrqCelery
+from qreward_queue.config.loader import load_config
+from qreward_queue.config.model import Backend, Config
 from qreward_queue.errors import InvalidSamples, UnknownRoute
 from qreward_queue.testing.mock_judge import MockJudge, MockJudgeSettings, rm_verdict, verdict
 

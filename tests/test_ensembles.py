@@ -16,7 +16,8 @@ from support import free_port, judge_backend, start_workers, write_route_config
 
 import qreward_queue
 from qreward_queue.backends.judge import JudgeBackend
-from qreward_queue.config import ConfigError, load_config
+from qreward_queue.config.loader import load_config
+from qreward_queue.errors import ConfigError
 from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn, verdict
 
 TEMPLATES = {

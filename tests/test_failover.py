@@ -26,10 +26,10 @@ from support import (
 )
 
 import qreward_queue
-from qreward_queue import redis_conn
-from qreward_queue.app import STORE_CONNECTION
+from qreward_queue.broker.app import STORE_CONNECTION
+from qreward_queue.config import redis_conn
+from qreward_queue.config.redis_conn import check_redis
 from qreward_queue.errors import RedisUnreachable
-from qreward_queue.runtime import check_redis
 from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn
 
 N = 2000

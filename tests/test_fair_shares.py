@@ -13,13 +13,13 @@ from support import ROOT, Worker, judge_backend, wait_for, write_config
 
 import qreward_queue
 from qreward_queue import keys
-from qreward_queue.config import load_config
+from qreward_queue.config.loader import load_config
+from qreward_queue.config.model import Route
 from qreward_queue.errors import ConfigError, JobBudgetExceeded
-from qreward_queue.flow import capacity
-from qreward_queue.integrations.job_spend import job_rows
 from qreward_queue.ops import exporter
+from qreward_queue.ops.job_spend import job_rows
 from qreward_queue.ops.status import render_status
-from qreward_queue.settings import Route
+from qreward_queue.planning import capacity
 from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn
 from qreward_queue.trainer import shares
 

@@ -21,8 +21,9 @@ from pydantic import BaseModel
 from support import judge_backend, start_workers, wait_for, write_config
 from test_openai_gateway import start_gateway
 
-from qreward_queue.config import Config, load_config
-from qreward_queue.integrations.job_spend import job_rows
+from qreward_queue.config.loader import load_config
+from qreward_queue.config.model import Config
+from qreward_queue.ops.job_spend import job_rows
 from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn, verdict
 
 vf = pytest.importorskip("verifiers.v1", reason="framework packages: run bash .ci/frameworks.sh")

@@ -21,16 +21,10 @@ import yaml
 from support import ROOT, Worker, free_port, judge_backend, wait_for, write_config
 
 import qreward_queue
-from qreward_queue.app import QrqCelery
 from qreward_queue.backends.transport import post_json
-from qreward_queue.config import (
-    PACKAGED_CONFIG,
-    Backend,
-    Limits,
-    advised_calls,
-    load_backend,
-    load_config,
-)
+from qreward_queue.broker.app import QrqCelery
+from qreward_queue.config.loader import load_backend, load_config
+from qreward_queue.config.model import PACKAGED_CONFIG, Backend, Limits, advised_calls
 from qreward_queue.errors import TransientError
 from qreward_queue.keys import queue_lists
 from qreward_queue.priority import Priority
@@ -196,7 +190,7 @@ def test_python_api_without_a_config_says_no_config_was_found(tmp_path):
 
 
 def test_every_option_says_what_it_does():
-    from qreward_queue.cli import cli
+    from qreward_queue.cli.main import cli
 
     def options(command, path):
         for name, sub in getattr(command, "commands", {}).items():
@@ -404,8 +398,8 @@ class _Terminal(io.StringIO):
 
 
 def test_demo_shows_progress_while_the_naive_loop_runs(monkeypatch, tmp_path):
-    from qreward_queue.demo import grpo_batch, progress_bar
-    from qreward_queue.demo_clients import naive_score
+    from qreward_queue.cli.demo import grpo_batch, progress_bar
+    from qreward_queue.cli.demo_clients import naive_score
 
     samples = grpo_batch(n_prompts=2)  # 16 samples
     screen = _Terminal()

@@ -17,7 +17,8 @@ from support import ROOT, Worker, function_backend, pid_alive, toml_tables, wait
 import qreward_queue
 from qreward_queue.backends import make_backend
 from qreward_queue.backends.function_runner import STARTUP_GRACE_S, runner
-from qreward_queue.config import Backend, Pool, load_backend
+from qreward_queue.config.loader import load_backend
+from qreward_queue.config.model import Backend, Pool
 from qreward_queue.errors import ConfigError, PermanentError, SampleTimeout
 
 
@@ -192,7 +193,7 @@ def test_embedded_helpers_do_not_rerun_the_callers_script(tmp_path):
         "print('SCRIPT-RAN', flush=True)\n"
         "batch = qreward_queue.submit_batch([{'prompt': 'p', 'response': 'abc'}], route='lim')\n"
         "print('SCORES', batch.get(timeout=60), batch.outcomes(), flush=True)\n"
-        "qreward_queue.runtime.shutdown()\n"
+        "qreward_queue.trainer.runtime.shutdown()\n"
     )
     # When it scores through a function backend (helpers start in fresh interpreters)
     out = subprocess.run(

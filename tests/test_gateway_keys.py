@@ -8,13 +8,13 @@ import json
 import pytest
 from support import write_config
 
-from qreward_queue.config import Backend, load_config
+from qreward_queue.config.loader import load_config
+from qreward_queue.config.model import Backend, GatewaySettings
 from qreward_queue.errors import ConfigError
 from qreward_queue.flow.spend import Ledger, Usage
 from qreward_queue.integrations.gateway_keys import Job, Keys
-from qreward_queue.integrations.job_spend import JobLedger, job_rows
+from qreward_queue.ops.job_spend import JobLedger, job_rows
 from qreward_queue.priority import Priority
-from qreward_queue.settings import GatewaySettings
 
 SECRET = "k-very-secret-0123456789"
 

@@ -18,8 +18,9 @@ from support import judge_backend, write_route_config
 
 import qreward_queue
 from qreward_queue.backends import make_backend
-from qreward_queue.config import ConfigError, load_backend
-from qreward_queue.groups import DEFAULT_GROUP_TEMPLATE, render_group
+from qreward_queue.backends.groups import DEFAULT_GROUP_TEMPLATE, render_group
+from qreward_queue.config.loader import load_backend
+from qreward_queue.errors import ConfigError
 from qreward_queue.integrations import slime
 from qreward_queue.ops.plan import Workload, plan_route
 from qreward_queue.samples import Outcome

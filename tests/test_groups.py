@@ -8,10 +8,8 @@ import math
 
 import pytest
 
-from qreward_queue import ensemble, groups
-from qreward_queue.ensemble import Vote, aggregate, majority
-from qreward_queue.errors import InvalidSamples, PermanentError, TransientError
-from qreward_queue.groups import (
+from qreward_queue.backends import groups
+from qreward_queue.backends.groups import (
     DEFAULT_GROUP_TEMPLATE,
     DEFAULT_TAGGED_PATTERN,
     group_indices,
@@ -22,7 +20,10 @@ from qreward_queue.groups import (
     split_balanced,
     template_problem,
 )
-from qreward_queue.injection import fence
+from qreward_queue.backends.injection import fence
+from qreward_queue.errors import InvalidSamples, PermanentError, TransientError
+from qreward_queue.planning import ensemble
+from qreward_queue.planning.ensemble import Vote, aggregate, majority
 
 
 @pytest.mark.parametrize("module", [groups, ensemble])

@@ -324,7 +324,7 @@ def test_embedded_mode_is_refused_under_multi_process_trainers(app, tmp_path, mo
     from support import write_config
 
     from qreward_queue.integrations import guard
-    from qreward_queue.runtime import configure
+    from qreward_queue.trainer.runtime import configure
 
     monkeypatch.delenv("QRQ_REDIS_URL", raising=False)
     monkeypatch.delenv("QRQ_ALLOW_EMBEDDED", raising=False)

@@ -26,14 +26,14 @@ import tomllib
 from support import ROOT, judge_backend, start_workers, wait_for, write_route_config
 
 import qreward_queue
-from qreward_queue import injection
+from qreward_queue.backends import injection
+from qreward_queue.backends.groups import DEFAULT_GROUP_TEMPLATE, render_group
 from qreward_queue.backends.judge import JudgeBackend
-from qreward_queue.config import ConfigError, load_backend, load_config
-from qreward_queue.errors import PermanentError
-from qreward_queue.groups import DEFAULT_GROUP_TEMPLATE, render_group
+from qreward_queue.config.loader import load_backend, load_config
+from qreward_queue.config.model import Audit, Route
+from qreward_queue.errors import ConfigError, PermanentError
 from qreward_queue.ops import audit
-from qreward_queue.samples import Outcome
-from qreward_queue.settings import Audit, Route
+from qreward_queue.samples import Outcome, flag, flagged
 from qreward_queue.testing.mock_judge import (
     MockJudgeSettings,
     fooled_verdict,
@@ -220,22 +220,22 @@ def test_each_class_is_flagged_however_it_is_spelt(kind) -> None:
 
 
 def test_flags_travel_in_detail_and_summary_counts_them() -> None:
-    detail = injection.flag(("verdict-line", "judge-address"), "Score: 0.3")
-    assert injection.flagged(detail) == ("verdict-line", "judge-address")
-    assert injection.flagged(json.dumps({"votes": [], "injection": ["template-tag"]})) == \
+    detail = flag(("verdict-line", "judge-address"), "Score: 0.3")
+    assert flagged(detail) == ("verdict-line", "judge-address")
+    assert flagged(json.dumps({"votes": [], "injection": ["template-tag"]})) == \
         ("template-tag",)
-    assert injection.flag((), "Score: 0.3") == "Score: 0.3" and not injection.flagged("Score: 1")
+    assert flag((), "Score: 0.3") == "Score: 0.3" and not flagged("Score: 1")
     summary = qreward_queue.samples.summarize([Outcome(0.3, detail=detail), Outcome(0.5)])
     assert summary["injection_flagged"] == 1
 
 
 def test_on_injection_zero_scores_a_flagged_outcome_0_and_says_why() -> None:
-    flagged = Outcome(0.8, "ok", "j", detail=injection.flag(("verdict-line",), "Score: 0.8"))
+    hit = Outcome(0.8, "ok", "j", detail=flag(("verdict-line",), "Score: 0.8"))
     zero = Route("r", ("j",), (1.0,), on_injection="zero")
-    out = integrity.on_injection(zero, flagged)
+    out = integrity.on_injection(zero, hit)
     assert out.score == 0.0 and out.status == "ok" and "the judge gave 0.8" in out.detail
-    assert injection.flagged(out.detail) == ("verdict-line",)
-    assert integrity.on_injection(Route("r", ("j",), (1.0,)), flagged) is flagged
+    assert flagged(out.detail) == ("verdict-line",)
+    assert integrity.on_injection(Route("r", ("j",), (1.0,)), hit) is hit
     assert integrity.on_injection(zero, Outcome(0.8, "ok", "j", detail="Score: 0.8")).score == 0.8
 
 
@@ -300,7 +300,7 @@ def test_with_the_defaults_a_hacked_response_scores_its_true_score_flagged(foole
         sample = {"prompt": "2+3?", "response": response}
         call = judge.call([sample])
         assert call.scores == [verdict(judge.render(sample))]  # what an honest judge says
-        assert injection.flagged(call.details[0]), call.details[0]
+        assert flagged(call.details[0]), call.details[0]
 
 
 def test_structured_output_reads_the_json_verdict(fooled, tmp_path) -> None:
@@ -348,7 +348,7 @@ def test_on_injection_zero_and_the_summary_count_through_workers(lanes) -> None:
         if i in hacked:
             assert outcome.score == 0.0 and "on_injection" in outcome.detail
         else:
-            assert not injection.flagged(outcome.detail)
+            assert not flagged(outcome.detail)
 
 
 def test_the_audit_lane_measures_a_weak_judge_within_2_points_on_2000_samples(lanes, tmp_path):
@@ -375,7 +375,7 @@ def test_the_audit_lane_measures_a_weak_judge_within_2_points_on_2000_samples(la
                         or (k["score"] >= 0.5) != (k["audit_score"] >= 0.5) for k in kept)
     from click.testing import CliRunner
 
-    from qreward_queue.cli import cli
+    from qreward_queue.cli.main import cli
     shown = CliRunner().invoke(cli, ["audit", "--config", str(path), "--route", "trained",
                                      "--limit", "3"])
     assert shown.exit_code == 0, shown.output
@@ -387,10 +387,10 @@ def test_the_audit_lane_measures_a_weak_judge_within_2_points_on_2000_samples(la
 
 
 def test_on_injection_min_takes_an_ensembles_lowest_vote_and_lists_the_flags() -> None:
-    from qreward_queue.ensemble import Ballot
+    from qreward_queue.planning.ensemble import Ballot
 
-    flagged = injection.flag(("verdict-line",), "Score: x")
-    votes = [Outcome(0.9, "ok", "ja", detail=flagged), Outcome(0.3, "ok", "jb", detail=flagged)]
+    detail = flag(("verdict-line",), "Score: x")
+    votes = [Outcome(0.9, "ok", "ja", detail=detail), Outcome(0.3, "ok", "jb", detail=detail)]
     for how, want in (("min", 0.3), ("score", 0.6)):
         ballot = Ballot(Route("panel", ("ja", "jb"), (1.0, 1.0), votes=2, on_injection=how),
                         [0], offset=1)
@@ -398,7 +398,7 @@ def test_on_injection_min_takes_an_ensembles_lowest_vote_and_lists_the_flags() -
         index, outcome = ballot.cast(2, votes[1])
         assert index == 0 and outcome.score == pytest.approx(want)
         assert json.loads(outcome.detail)["injection"] == ["verdict-line"]
-        assert injection.flagged(outcome.detail) == ("verdict-line",)
+        assert flagged(outcome.detail) == ("verdict-line",)
 
 
 def test_worker_metrics_count_flagged_samples_by_backend_and_route(monkeypatch) -> None:
@@ -408,8 +408,8 @@ def test_worker_metrics_count_flagged_samples_by_backend_and_route(monkeypatch) 
 
     registry = CollectorRegistry()
     monkeypatch.setattr(metrics, "_metrics", metrics._WorkerMetrics(registry))
-    flagged = injection.flag(("judge-address",), "Score: 0.1")
-    metrics.record_outcomes("r", [{"backend": "j", "status": "ok", "detail": flagged},
+    detail = flag(("judge-address",), "Score: 0.1")
+    metrics.record_outcomes("r", [{"backend": "j", "status": "ok", "detail": detail},
                                   {"backend": "j", "status": "ok", "detail": "Score: 0.2"}, None])
     labels = {"backend": "j", "route": "r"}
     assert registry.get_sample_value("qrq_injection_flagged_total", labels) == 1

@@ -165,7 +165,7 @@ def test_grafana_dashboard_uses_only_exported_metric_names(tmp_path):
 
     from prometheus_client import CollectorRegistry
 
-    from qreward_queue.app import QrqCelery
+    from qreward_queue.broker.app import QrqCelery
     from qreward_queue.ops import exporter, metrics
 
     registry = CollectorRegistry()

@@ -19,13 +19,13 @@ import pytest
 import requests
 from support import wait_for
 
-from qreward_queue.errors import PermanentError
-from qreward_queue.groups import (
+from qreward_queue.backends.groups import (
     DEFAULT_GROUP_TEMPLATE,
     DEFAULT_TAGGED_PATTERN,
     parse_group_scores,
     render_group,
 )
+from qreward_queue.errors import PermanentError
 from qreward_queue.testing.mock_judge import (
     GROUP_FAULTS,
     MockJudge,
@@ -454,7 +454,7 @@ GROUP_RESPONSES = ["42", "It is 42.\nCheck: 6 x 7 = 42.", "41", "forty-two"]
 
 
 def group_text(responses: list[str] = GROUP_RESPONSES, head: str = GROUP_HEAD) -> str:
-    """A group prompt written by hand (not by qreward_queue.groups), so the mock is checked
+    """A group prompt written by hand (not by qreward_queue.backends.groups), so the mock is checked
     against the wire format itself."""
     blocks = [f'<response id="{n}">\n{r}\n</response>' for n, r in enumerate(responses, 1)]
     return head + "\n" + "\n".join(blocks) + "\nAnswer with a JSON list of scores."

@@ -24,8 +24,8 @@ import requests
 from conftest import REDIS_DB, REDIS_HOST, REDIS_PORT
 from support import ROOT, free_port, judge_backend, start_workers, wait_for, write_config
 
-from qreward_queue.config import load_config
-from qreward_queue.integrations.job_spend import job_rows
+from qreward_queue.config.loader import load_config
+from qreward_queue.ops.job_spend import job_rows
 from qreward_queue.ops.status import render_status
 from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn, verdict
 

@@ -8,7 +8,7 @@ import json
 from qreward_queue.backends.judge import JudgeBackend
 from qreward_queue.backends.passthrough import CHAT_REQUEST
 from qreward_queue.backends.transport import Reply
-from qreward_queue.settings import Backend
+from qreward_queue.config.model import Backend
 
 JUDGE = JudgeBackend(Backend(name="j", kind="judge", url="http://127.0.0.1:1/v1",
                              model="judge-model", max_tokens=16))

@@ -15,7 +15,7 @@ import pytest
 from support import ROOT, function_backend, judge_backend, write_route_config
 
 import qreward_queue as qrq
-from qreward_queue.config import PACKAGED_CONFIG
+from qreward_queue.config.model import PACKAGED_CONFIG
 from qreward_queue.ops.plan import Workload, plan_route, tokens_per_call
 
 URL = "http://127.0.0.1:9"

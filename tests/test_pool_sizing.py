@@ -10,7 +10,7 @@ import sys
 
 from support import ROOT, Worker, wait_for, write_config
 
-from qreward_queue.config import MAX_PROCESS_CALLS, PROCESS_CALLS, Backend, Limits, Pool
+from qreward_queue.config.model import MAX_PROCESS_CALLS, PROCESS_CALLS, Backend, Limits, Pool
 from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn
 from qreward_queue.worker.call_pool import CallSizing
 

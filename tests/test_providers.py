@@ -18,9 +18,9 @@ from support import expected, judge_backend, start_workers, toml_tables, write_c
 import qreward_queue
 from qreward_queue.backends import make_backend, transport
 from qreward_queue.backends.dialects import DIALECTS
-from qreward_queue.config import load_backend
+from qreward_queue.config.loader import load_backend
+from qreward_queue.config.model import Backend
 from qreward_queue.errors import ConfigError, PermanentError, RateLimited, TransientError
-from qreward_queue.settings import Backend
 from qreward_queue.testing.certs import make_certs
 from qreward_queue.testing.connect_proxy import ConnectProxy
 from qreward_queue.testing.mock_judge import MockJudge, MockJudgeSettings, spawn, verdict

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from support import expected, judge_backend, start_workers, tasks_received, wait_for, write_config
 
 import qreward_queue
-from qreward_queue.cli import cli
+from qreward_queue.cli.main import cli
 from qreward_queue.ops import dead_letter
 from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn
 

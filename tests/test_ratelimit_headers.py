@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from qreward_queue.config import load_backend
+from qreward_queue.config.loader import load_backend
 from qreward_queue.flow.ratelimit_headers import MAX_RESET_S, Feedback, RateLimitHeaders
 
 

@@ -16,8 +16,8 @@ import click
 import pytest
 from support import ROOT
 
-from qreward_queue.cli import cli
-from qreward_queue.config import load_backend
+from qreward_queue.cli.main import cli
+from qreward_queue.config.loader import load_backend
 
 README = (ROOT / "README.md").read_text()
 # README and every docs page, by path (the site's home page is README itself)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from support import free_port
 
-from qreward_queue import redis_conn
-from qreward_queue.app import celery_settings
-from qreward_queue.config import ConfigError, load_config
-from qreward_queue.errors import RedisUnreachable
-from qreward_queue.runtime import check_redis
+from qreward_queue.broker.app import celery_settings
+from qreward_queue.config import redis_conn
+from qreward_queue.config.loader import load_config
+from qreward_queue.config.redis_conn import check_redis
+from qreward_queue.errors import ConfigError, RedisUnreachable
 
 
 def config_with(tmp_path, redis_table: str):
@@ -37,7 +37,7 @@ def test_sentinels_in_qrq_toml_become_celerys_sentinel_url_with_the_master_name(
     settings = celery_settings(config)
     url = "sentinel://:r-secret@10.0.0.1:26379/2;sentinel://:r-secret@10.0.0.2:26380/2"
     assert settings["broker_url"] == url
-    assert settings["result_backend"] == f"qreward_queue.results:QrqSentinelBackend+{url}"
+    assert settings["result_backend"] == f"qreward_queue.broker.results:QrqSentinelBackend+{url}"
     for options in (settings["broker_transport_options"],
                     settings["result_backend_transport_options"]):
         assert options["master_name"] == "qrq"

@@ -9,7 +9,7 @@ import time
 import pytest
 import redis
 
-from qreward_queue import redis_wait
+from qreward_queue.broker import redis_wait
 
 
 def test_within_returns_the_answer_or_stops_waiting_when_the_time_is_spent():

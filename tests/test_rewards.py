@@ -10,7 +10,8 @@ import pytest
 
 from qreward_queue.backends import make_backend
 from qreward_queue.backends.function_runner import load_function
-from qreward_queue.config import Backend, load_backend
+from qreward_queue.config.loader import load_backend
+from qreward_queue.config.model import Backend
 from qreward_queue.errors import PermanentError
 from qreward_queue.rewards.combine import weighted_sum
 from qreward_queue.rewards.format import format_reward, has_structure, repetition

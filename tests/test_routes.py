@@ -25,8 +25,8 @@ from support import (
 )
 
 import qreward_queue
-from qreward_queue.flow import capacity
 from qreward_queue.ops.status import queue_depth
+from qreward_queue.planning import capacity
 from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn
 
 FALLBACK = -1.0  # no judge gives this, so a fallback score cannot pass for a real one
@@ -189,8 +189,8 @@ def test_dead_backend_fails_over_and_its_circuit_opens(tmp_path, redis_url, stac
     assert judge_b.stats()["accepted"] == 60
     assert tasks_received(worker_a) > 0  # a really got work and passed it on
     # and a's circuit is open for every process (state in Redis), b's is closed
-    assert app.breaker("a").is_open()
-    assert not app.breaker("b").is_open()
+    assert app.flow.breaker("a").is_open()
+    assert not app.flow.breaker("b").is_open()
 
     # When a second batch is submitted while a's circuit is open
     received_by_a = tasks_received(worker_a)
@@ -347,7 +347,7 @@ def test_permanent_400_is_an_error_at_once_without_failover(tmp_path, redis_url,
     stats_a, stats_b = judge_a.stats(), judge_b.stats()
     assert stats_a["requests"] + stats_b["requests"] == 20
     assert stats_a["client_errors"] + stats_b["client_errors"] == 3
-    assert not app.breaker("a").is_open() and not app.breaker("b").is_open()
+    assert not app.flow.breaker("a").is_open() and not app.flow.breaker("b").is_open()
 
 
 def test_no_sibling_left_gives_explicit_errors(tmp_path, redis_url, stack):

@@ -19,7 +19,7 @@ import pytest
 from support import Worker, function_backend, write_config
 
 import qreward_queue
-from qreward_queue.config import load_backend
+from qreward_queue.config.loader import load_backend
 from qreward_queue.errors import ConfigError
 from qreward_queue.rewards import sandbox
 from qreward_queue.rewards.code import code_reward, run_tests

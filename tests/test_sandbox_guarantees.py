@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from qreward_queue.backends import make_backend
-from qreward_queue.config import Backend, Pool
+from qreward_queue.config.model import Backend, Pool
 from qreward_queue.rewards import cgroups, sandbox
 from qreward_queue.rewards.code import code_reward
 

@@ -15,7 +15,7 @@ from support import expected, judge_backend, start_workers, write_config
 from test_chaos import hostile
 
 import qreward_queue
-from qreward_queue.cli import cli
+from qreward_queue.cli.main import cli
 from qreward_queue.ops import exporter
 from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn
 

@@ -11,9 +11,9 @@ import pytest
 from support import ROOT, judge_backend, write_config
 
 import qreward_queue as qrq
-from qreward_queue.app import QrqCelery
-from qreward_queue.flow.capacity import QueuedSamples
+from qreward_queue.broker.app import QrqCelery
 from qreward_queue.ops.status import backend_rows
+from qreward_queue.planning.capacity import QueuedSamples
 
 
 def test_status_reports_what_the_limiter_and_queue_hold(tmp_path, redis_url):
@@ -22,7 +22,7 @@ def test_status_reports_what_the_limiter_and_queue_hold(tmp_path, redis_url):
         redis_url=redis_url, route="ja",
     )
     app = QrqCelery(qrq.load_config(config_path))
-    limiter = app.limiter("ja")
+    limiter = app.flow.limiter("ja")
     with limiter.acquire(tokens=10):
         (row,) = backend_rows(app)
         assert row["leases_in_use"] == 1

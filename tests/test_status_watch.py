@@ -13,8 +13,8 @@ import pytest
 from support import ROOT, judge_backend, wait_for, write_config
 
 import qreward_queue as qrq
-from qreward_queue.app import QrqCelery
-from qreward_queue.flow.capacity import QueuedSamples
+from qreward_queue.broker.app import QrqCelery
+from qreward_queue.planning.capacity import QueuedSamples
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
 
@@ -69,7 +69,7 @@ def test_watch_redraws_queue_by_priority_limits_and_eta(tmp_path, redis_url):
         # When two more validation tasks arrive and a 429 is reported, the screen follows
         queue(0)
         queue(0)
-        app.limiter("ja").feedback(429, {"retry-after": "30"})
+        app.flow.limiter("ja").feedback(429, {"retry-after": "30"})
         text = wait_for(lambda: (r := row_of(screen(session), "ja")) and r[2] == "120" and r,
                         30, "the redrawn row")
         assert text[3] == "0.0"  # samples scored per second since the last redraw

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import yaml
 
-from qreward_queue.config import Backend, load_backend
+from qreward_queue.config.loader import load_backend
+from qreward_queue.config.model import Backend
 from qreward_queue.keys import queue_lists
 
 ROOT = Path(__file__).resolve().parents[2]

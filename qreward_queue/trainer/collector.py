@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from .. import keys, records, redis_wait
-from ..app import REDIS_READ_TIMEOUT_S, QrqCelery
+from .. import keys
+from ..broker import records, redis_wait
+from ..broker.app import REDIS_READ_TIMEOUT_S, QrqCelery
 from .per_app import PerApp
 
 if TYPE_CHECKING:

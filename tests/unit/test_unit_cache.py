@@ -1,4 +1,4 @@
-"""Unit tests of the score cache's keys and store (`qreward_queue/cache.py`) on fakeredis."""
+"""Unit tests of the score cache's keys and store (`qreward_queue/broker/cache.py`) on fakeredis."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import fakeredis
 import pytest
 
 from qreward_queue import keys
-from qreward_queue.cache import (
+from qreward_queue.broker.cache import (
     ScoreCache,
     content_key,
     record_cache,
     reward_identity,
     unit_keys,
 )
-from qreward_queue.config import Backend, Config, Route
+from qreward_queue.config.model import Backend, Config, Route
 from qreward_queue.samples import Outcome
 
 SAMPLE = {"id": "a", "prompt": "2+2?", "response": "4", "reference": "4",

@@ -1,5 +1,5 @@
-"""Unit tests of batch leases (`qreward_queue/lease.py`) on fakeredis: the client's side (hold,
-release, end and the renewer thread) and what a worker's `BatchWatch` makes of a lease.
+"""Unit tests of batch leases (`qreward_queue/broker/lease.py`) on fakeredis: the client's
+side (hold, release, end and the renewer thread) and what a worker's `BatchWatch` makes of a lease.
 
 The renewer runs every third of the key's TTL (a third of a second at the shortest lease), so
 its tests wait for it by polling; `BatchWatch` reads a clock the tests move by hand.
@@ -16,7 +16,8 @@ import pytest
 import redis
 from support import wait_for
 
-from qreward_queue import keys, lease
+from qreward_queue import keys
+from qreward_queue.broker import lease
 
 LEASE_S = 3.0  # the key's TTL is then the shortest there is: 1 s
 RENEWED_WITHIN_S = 5.0  # the renewer comes round every 1/3 s; a loaded machine may lag

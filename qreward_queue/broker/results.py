@@ -8,7 +8,7 @@ from __future__ import annotations
 from celery.backends.cache import CacheBackend
 from celery.backends.redis import RedisBackend, SentinelBackend
 
-from .redis_conn import FollowingConnection
+from ..config.redis_conn import FollowingConnection
 
 
 class _NoRetryState:

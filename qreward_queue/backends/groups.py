@@ -41,9 +41,9 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..errors import InvalidSamples, PermanentError
 from . import injection
-from .backends.base import checked_score
-from .errors import InvalidSamples, PermanentError
+from .base import checked_score
 
 DEFAULT_GROUP_TEMPLATE = (
     "Rate each of the {count} responses to the prompt on a scale from 0 to 1, comparing them "

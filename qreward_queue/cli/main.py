@@ -7,7 +7,6 @@ Exit status: 0 success; 2 nothing could run (usage, configuration, Redis unreach
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -19,23 +18,15 @@ import click
 import redis
 from kombu.exceptions import OperationalError
 
-from .config import (
-    BUSY_TASKS,
-    PACKAGED_CONFIG,
-    Backend,
-    Config,
-    config_not_found,
-    find_config,
-    load_backend,
-    load_config,
-)
-from .errors import Cancelled, ConfigError, QrqError
-from .extras import missing_extra
-from .ops.metrics_http import TOKEN_ENV
-from .priority import Priority
-from .runtime import check_redis, describe_mode, redis_problem
-from .samples import Outcome
-from .testing.mock_judge import mock_judge_cli
+from ..config.extras import missing_extra
+from ..config.loader import find_config, load_config
+from ..config.model import PACKAGED_CONFIG, Config, config_not_found
+from ..config.redis_conn import check_redis, describe_mode, redis_problem
+from ..errors import Cancelled, ConfigError, QrqError
+from ..ops.metrics_http import TOKEN_ENV
+from ..priority import Priority
+from ..samples import Outcome
+from ..testing.mock_judge import mock_judge_cli
 
 EXIT_SOME_NOT_SCORED, EXIT_USAGE, EXIT_NONE_SCORED = 1, 2, 3
 EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
@@ -136,8 +127,8 @@ def init(judge_url: str, model: str, name: str, api_key_env: str | None, rpm: fl
 )
 def demo(config_path: str | None, route: str | None, prompts: int) -> None:
     """Start mock judges and score a 1,024-sample GRPO batch: qrq vs two plain clients."""
+    from ..trainer.runtime import shutdown
     from .demo import run_demo
-    from .runtime import shutdown
 
     config = _load(config_path, fallback=PACKAGED_CONFIG)
     click.echo(describe_mode(config))
@@ -179,8 +170,8 @@ def score(input_file, output, route, priority, deadline_s, config_path) -> None:
     """
     from tqdm import tqdm
 
-    from .runtime import configure, shutdown
-    from .trainer.client import submit_batch
+    from ..trainer.client import submit_batch
+    from ..trainer.runtime import configure, shutdown
 
     config = _load(config_path)
     samples: list = []
@@ -308,101 +299,17 @@ def worker(
     events: bool,
 ) -> None:
     """Run a Celery worker for one backend: its queue, pool and rate limit from BACKEND_FILE."""
-    from celery.signals import after_setup_logger, after_setup_task_logger
+    from ..worker.boot import worker_app
 
-    from .app import QrqCelery
-    from .backends import make_backend
-    from .message import TASK_NAME
-    from .redact import install_log_filter
-    from .worker.call_loop import call_loop
-    from .worker.call_pool import call_pool
-    from .worker.tasks import register
-
-    backend = load_backend(backend_file)  # its own file: every problem in it is an error
-    broken: dict[str, str] = {}
-    config = load_config(config_path, broken)
-    for problem in broken.values():
-        click.echo(f"qrq: warning: {problem} (left out of its routes here)", err=True)
-    if config.embedded:
-        raise ConfigError("qrq worker needs Redis: set QRQ_REDIS_URL or [redis] url in qrq.toml")
-    if missing := backend.missing_api_key():
-        raise ConfigError(f"{missing}: export it before starting the worker")
-    if not backend.verify:
-        click.echo(f"qrq: warning: {backend.source}: backend.verify = false: the TLS "
-                   f"certificate of backend {backend.name!r} is not checked (anyone on the way "
-                   "can read and change its calls); trust its CA with ca_file instead", err=True)
-    check_redis(config)  # at start, one line; once running, an outage is ridden out
-    known = config.backends.get(backend.name)
-    if known is not None and Path(known.source).resolve() != Path(backend_file).resolve():
-        raise ConfigError(
-            f"{backend_file}: backend {backend.name!r} is also defined in {known.source}"
-        )
-    app = QrqCelery(
-        dataclasses.replace(config, backends={**config.backends, backend.name: backend})
-    )
-    if "rewards.code:" in json.dumps([backend.function, backend.options]):
-        click.echo(_code_sandbox(backend_file, backend.options))
-    if backend.pool.rate_limit:
-        app.conf.task_annotations = {TASK_NAME: {"rate_limit": backend.pool.rate_limit}}
-    argv = [
-        "worker",
-        "-Q",
-        backend.queue,
-        "-P",
-        backend.pool.type,
-        "-c",
-        str(concurrency or backend.pool.concurrency),
-        "-n",
-        hostname or f"{backend.name}@%h",
-        "--loglevel",
-        loglevel,
-        *(["-E"] if events else []),
-    ]
-    if backend.pool.type == "prefork":
-        argv += ["--max-tasks-per-child", str(backend.pool.max_tasks_per_child)]
-        if backend.pool.max_memory_per_child_mb:
-            argv += ["--max-memory-per-child", str(backend.pool.max_memory_per_child_mb * 1024)]
+    app, argv = worker_app(backend_file, config_path, concurrency, hostname, loglevel, events)
     if metrics_port:
-        from .ops.metrics import serve_worker
+        from ..ops.metrics import serve_worker
 
         serve_worker(metrics_port, metrics_host)
         _warn_if_open(metrics_host, "the worker's metrics", bool(os.environ.get(TOKEN_ENV)),
                       "set QRQ_METRICS_TOKEN")
         click.echo(f"metrics on {metrics_host}:{metrics_port}/metrics")
-    click.echo(
-        describe_mode(config) + f"; worker for backend {backend.name!r} on queue {backend.queue}"
-    )
-    if warning := busy_tasks_warning(backend, concurrency):
-        click.echo(f"qrq: warning: {warning}", err=True)
-    for logging_ready in (after_setup_logger, after_setup_task_logger):  # no key in a log line
-        logging_ready.connect(lambda logger, **_: install_log_filter(logger), weak=False)
-    if backend.pool.type == "threads" and make_backend(backend).awaitable:
-        call_loop().connect(backend)  # its connections exist before the first task
-    elif backend.pool.type == "threads" and not make_backend(backend).runs_locally:
-        call_pool(backend)  # its threads and connections exist before the first task
-    register(app)  # before the pool forks: its children inherit the task
     app.worker_main(argv)
-
-
-def _code_sandbox(backend_file: str, options: dict) -> str:
-    """Which sandbox a code-reward pool runs its programs in; refuses to start without one."""
-    from .rewards import sandbox
-
-    try:
-        return sandbox.describe(unsafe=bool(options.get("unsafe")))
-    except sandbox.SandboxUnavailable as exc:
-        raise ConfigError(f"{backend_file}: {exc}") from None
-
-
-def busy_tasks_warning(backend: Backend, override: int | None) -> str | None:
-    """One line when the file's `[pool] concurrency` is far above what chunk tasks can use:
-    it once meant threads (an earlier README said so); it now counts chunk tasks at once."""
-    tasks = backend.pool.concurrency
-    if override is not None or backend.pool.type != "threads" or tasks <= BUSY_TASKS:
-        return None
-    return (f"{backend.source}: [pool] concurrency = {tasks} is the number of chunk tasks a "
-            f"worker process runs at once (more than {BUSY_TASKS} only makes chunks smaller), "
-            f"not threads: calls in flight are [pool] calls, sized from [limits] when unset")
 
 
 @cli.command()
@@ -413,7 +320,7 @@ def busy_tasks_warning(backend: Backend, override: int | None) -> str | None:
 @click.option("--json", "as_json", is_flag=True, help="One JSON document instead of the table.")
 def status(config_path: str | None, watch: bool, interval: float, as_json: bool) -> None:
     """Each backend's queue by priority, rate limit, 429s, leases, adaptive limit, breaker, ETA."""
-    from .ops import status as view
+    from ..ops import status as view
 
     config = _load(config_path, required=False)
     if watch and not config.embedded:
@@ -450,7 +357,7 @@ def status(config_path: str | None, watch: bool, interval: float, as_json: bool)
 def plan(config_path, route, n, prompt_tokens, response_tokens, latency_ms, group_size,
          metrics_urls, cpu_ms, call_cpu_ms, workers, cores, target_s, as_json) -> None:
     """Predict the reward step's wall time, the binding limit of each backend, what to change."""
-    from .ops.plan import Workload, plan_route, render_plan
+    from ..ops.plan import Workload, plan_route, render_plan
 
     config = load_config(config_path)
     counts = {}
@@ -461,7 +368,7 @@ def plan(config_path, route, n, prompt_tokens, response_tokens, latency_ms, grou
         counts[name] = int(count)
     measured = {}
     if metrics_urls:
-        from .ops.metrics import measured_latency_s
+        from ..ops.metrics import measured_latency_s
 
         measured = measured_latency_s(metrics_urls)
     work = Workload(n, prompt_tokens, response_tokens, latency_ms / 1000, cpu_ms / 1000,
@@ -480,8 +387,8 @@ def plan(config_path, route, n, prompt_tokens, response_tokens, latency_ms, grou
                    "bearer token).")
 def exporter(config_path: str | None, port: int, host: str) -> None:
     """Serve the shared Redis state (queues by priority, leases, limits, breaker) to Prometheus."""
-    from .app import QrqCelery
-    from .ops.exporter import serve_exporter
+    from ..broker.app import QrqCelery
+    from ..ops.exporter import serve_exporter
 
     config = load_config(config_path)
     if config.embedded:
@@ -500,8 +407,8 @@ def exporter(config_path: str | None, port: int, host: str) -> None:
 def audit_command(config_path: str | None, route_name: str, limit: int) -> None:
     """The audit lane of a route: its agreement per hour, then the samples its judge and the
     audit route disagreed on, one JSON line each (newest first)."""
-    from .ops import audit
-    from .redis_conn import connect
+    from ..config.redis_conn import connect
+    from ..ops import audit
 
     config = load_config(config_path)
     if config.embedded:
@@ -523,8 +430,8 @@ def audit_command(config_path: str | None, route_name: str, limit: int) -> None:
 @click.option("--limit", default=20, show_default=True, help="How many, newest first.")
 def dead_letters(config_path: str | None, limit: int) -> None:
     """Malformed task messages the workers refused, one JSON line each (newest first)."""
-    from .ops.dead_letter import read
-    from .redis_conn import connect, describe
+    from ..config.redis_conn import connect, describe
+    from ..ops.dead_letter import read
 
     config = load_config(config_path)
     if config.embedded:
@@ -555,10 +462,10 @@ def gateway(config_path: str | None, host: str, port: int, route: str | None, ma
             max_wait_ms: float, chat_max_wait_ms: float, deadline_s: float | None) -> None:
     """Remote-RM HTTP server (OpenRLHF POST /get_reward, slime POST /slime) and an
     OpenAI-compatible front door (POST /v1/chat/completions, GET /v1/models); GET /health."""
-    from .integrations.gateway import Gateway, serve
-    from .integrations.gateway_keys import OPEN_JOB, Keys
-    from .runtime import configure
-    from .trainer.batcher import MicroBatcher
+    from ..integrations.gateway import Gateway, serve
+    from ..integrations.gateway_keys import OPEN_JOB, Keys
+    from ..trainer.batcher import MicroBatcher
+    from ..trainer.runtime import configure
 
     app = configure(config_path)
     if route or app.qrq_config.default_route:  # chat requests name theirs; the RM endpoints
@@ -579,7 +486,7 @@ def gateway(config_path: str | None, host: str, port: int, route: str | None, ma
 
 def _warn_if_open(host: str, what: str, authenticated: bool, how: str) -> None:
     """Say so when `what` listens beyond this machine and anyone may call it."""
-    from .ops.metrics_http import is_loopback
+    from ..ops.metrics_http import is_loopback
 
     if not authenticated and not is_loopback(host):
         click.echo(f"qrq: warning: {what} listens on {host} without authentication: anyone "

@@ -26,8 +26,8 @@ import redis
 from celery import signals
 from celery.states import READY_STATES
 
-from . import flushing, keys
-from .message import TASK_NAME
+from .. import flushing, keys
+from ..message import TASK_NAME
 
 FLUSH_EVERY_S = 0.02
 _REDIS_DOWN = (redis.RedisError, OSError)

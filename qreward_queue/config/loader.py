@@ -15,19 +15,15 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, overload
 
-from .backends import KINDS
-from .backends.judge import SCORE_MATCHES
-from .ensemble import AGGREGATES
-from .errors import ConfigError, UnknownRoute
-from .flow.ratelimit_headers import DEFAULT_MAX_PAUSE_S
-from .injection import ON_INJECTION
-from .settings import (
-    BUSY_TASKS,
+from ..backends import KINDS
+from ..backends.injection import ON_INJECTION
+from ..errors import ConfigError, UnknownRoute
+from ..flow.ratelimit_headers import DEFAULT_MAX_PAUSE_S
+from ..message import job_problem
+from ..planning.ensemble import AGGREGATES
+from .model import (
     DEFAULT_JOB,
-    DEFAULT_SCORE_PATTERN,
-    DEFAULT_TEMPLATE,
     MAX_PROCESS_CALLS,
-    PACKAGED_CONFIG,
     PROCESS_CALLS,
     Audit,
     Backend,
@@ -41,18 +37,8 @@ from .settings import (
     Price,
     Retry,
     Route,
-    advised_calls,
-    config_not_found,
-    job_problem,
 )
-from .toml_table import Table, expand_env, read_toml
-
-__all__ = [  # the model (settings.py) and the table reader (toml_table.py) are re-exported
-    "BUSY_TASKS", "DEFAULT_SCORE_PATTERN", "DEFAULT_TEMPLATE", "KINDS", "MAX_PROCESS_CALLS",
-    "PACKAGED_CONFIG", "POOLS", "PROCESS_CALLS", "SCORE_MATCHES", "Audit", "Backend", "Budget",
-    "Config", "Limits", "Pool", "Price", "Retry", "Route", "advised_calls", "config_not_found",
-    "expand_env", "find_config", "load_backend", "load_config",
-]
+from .toml_table import Table, read_toml
 
 POOLS = ("threads", "prefork", "solo")
 _RATE_LIMIT = re.compile(r"^\d+(\.\d+)?/[smh]$")

@@ -22,10 +22,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import injection
-from .errors import PermanentError, ScoringError
-from .samples import Outcome
-from .settings import Route
+from ..config.model import Route
+from ..errors import PermanentError, ScoringError
+from ..samples import Outcome, flagged
 
 
 @dataclass(frozen=True)
@@ -143,7 +142,7 @@ class Ballot:
         attempts = sum(o.attempts for o in outcomes)
         latency_ms = max(o.latency_ms for o in outcomes)
         # a response flagged by its judges: with on_injection = "min" the lowest vote counts
-        flags = sorted({k for o in outcomes for k in injection.flagged(o.detail)})
+        flags = sorted({k for o in outcomes for k in flagged(o.detail)})
         how = "min" if flags and self.route.on_injection == "min" else self.route.aggregate
         try:
             score, detail = aggregate(votes, how, self.route.quorum)

@@ -1,4 +1,4 @@
-"""What each backend can take now, read from Redis for the pure planner in trainer/routing.py:
+"""What each backend can take now, read from Redis for the pure planner in planning/routing.py:
 its rate (the limiter's learned or configured rpm, else its concurrency as a proxy; 0 while
 its circuit is open) and the samples already waiting in its queue (`QueuedSamples`)."""
 
@@ -8,8 +8,8 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 
 from .. import keys
-from ..settings import Config, Route
-from ..trainer.routing import Chunk, water_fill
+from ..config.model import Config, Route
+from .routing import Chunk, water_fill
 
 QUEUED_TTL_S = 3600  # a counter left by lost messages fades
 
@@ -77,10 +77,10 @@ class QueuedSamples:
 
 def backend_rate(app, name: str) -> float:
     """Requests per minute backend `name` can take now."""
-    if app.breaker(name).is_open():
+    if app.flow.breaker(name).is_open():
         return 0.0
     backend = app.backend_config(name)
-    limiter = app.limiter(name)
+    limiter = app.flow.limiter(name)
     rpm = limiter.status()["limits"].get("rpm") if limiter else None
     if rpm:
         return rpm["per_minute"]

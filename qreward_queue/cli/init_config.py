@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from .config import load_config
-from .errors import ConfigError
+from ..config.loader import load_config
+from ..errors import ConfigError
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # a backend name, as config.py accepts it
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

@@ -21,8 +21,8 @@ import urllib.request
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
-from .backends.judge import JudgeBackend
-from .config import Backend
+from ..backends.judge import JudgeBackend
+from ..config.model import Backend
 
 SEMAPHORE = 64
 

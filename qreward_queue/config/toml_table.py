@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, overload
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 if sys.version_info >= (3, 11):
     import tomllib

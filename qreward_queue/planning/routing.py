@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ..backends import make_backend
+from ..config.model import Backend, Config, Route
 from ..errors import InvalidSamples
-from ..settings import Backend, Config, Route
 
 
 @dataclass(frozen=True)

@@ -28,10 +28,11 @@ import redis.asyncio.sentinel
 from redis.asyncio.sentinel import SentinelManagedConnection as AsyncSentinelConnection
 from redis.sentinel import Sentinel, SentinelManagedConnection
 
-from .redact import redact_url
+from ..errors import RedisUnreachable
+from ..redact import redact_url
 
 if TYPE_CHECKING:
-    from .config import Config
+    from .model import Config
 
 SCHEME = "sentinel"
 SEPARATOR = ";"  # between the sentinels of one URL, as kombu and Celery split it
@@ -183,7 +184,7 @@ def celery_settings(config: Config, transport: dict[str, Any],
     if not is_sentinel(url):
         return {
             "broker_url": url,
-            "result_backend": f"qreward_queue.results:QrqRedisBackend+{url}",
+            "result_backend": f"qreward_queue.broker.results:QrqRedisBackend+{url}",
             "broker_transport_options": transport,
             "result_backend_transport_options": result_transport,
         }
@@ -194,7 +195,7 @@ def celery_settings(config: Config, transport: dict[str, Any],
     url = SEPARATOR.join(urlsplit(c)._replace(path=f"/{db}").geturl() for c in url.split(SEPARATOR))
     return {
         "broker_url": url,
-        "result_backend": f"qreward_queue.results:QrqSentinelBackend+{url}",
+        "result_backend": f"qreward_queue.broker.results:QrqSentinelBackend+{url}",
         "broker_transport_options": {**transport, **sentinel},
         "result_backend_transport_options": {**result_transport, **sentinel},
     }
@@ -233,3 +234,49 @@ def sentinel_problem(config: Config) -> str | None:
     return (f"the sentinels at {nodes} know no service named {config.redis_service_name!r} "
             f"(they know: {', '.join(sorted(known)) or 'none'}): check [redis] service_name "
             f"or {SERVICE_ENV}")
+
+
+def describe_mode(config: Config) -> str:
+    """One line saying which mode runs (and where Redis is, without its password)."""
+    if config.embedded:
+        return (
+            "qrq: embedded mode (in-memory broker, in-process workers; "
+            "set QRQ_REDIS_URL for distributed mode)"
+        )
+    return f"qrq: distributed mode (Redis at {describe(config)})"
+
+
+def redis_problem(config: Config, exc: Exception) -> str:
+    """One line saying what went wrong with Redis and what to check."""
+    if is_sentinel(config.redis_url):
+        problem = sentinel_problem(config)
+        if problem:
+            return problem
+    where, why = describe(config), str(exc).strip() or type(exc).__name__
+    if "DB index is out of range" in why:
+        return (
+            f"Redis at {where} has no such database ({why}): use a database number below the "
+            "server's `databases` setting (16 unless redis.conf says otherwise)"
+        )
+    if isinstance(exc, redis.AuthenticationError) or "NOAUTH" in why or "WRONGPASS" in why:
+        return f"Redis at {where} refused the credentials ({why}): check the password in the URL"
+    origin = (
+        "QRQ_REDIS_URL" if os.environ.get("QRQ_REDIS_URL") else f"[redis] url in {config.source}"
+    )
+    return (
+        f"cannot reach Redis at {where} ({why}): check that redis-server runs there "
+        f"and that {origin} names it"
+    )
+
+
+def check_redis(config: Config) -> None:
+    """Fail fast, in one line, when distributed mode cannot reach (or select) its database."""
+    if config.embedded:
+        return
+    client = connect(config, socket_connect_timeout=3, socket_timeout=5)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        raise RedisUnreachable(redis_problem(config, exc)) from None
+    finally:
+        client.close()

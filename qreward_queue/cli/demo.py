@@ -13,13 +13,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from .backends.judge import JudgeBackend
-from .config import Config
+from ..backends.judge import JudgeBackend
+from ..config.model import Config
+from ..errors import ConfigError
+from ..samples import Outcome
+from ..testing.mock_judge import MockJudgeProcess, MockJudgeSettings, spawn, verdict
+from ..trainer.runtime import configure
 from .demo_clients import SEMAPHORE, naive_score, semaphore_score
-from .errors import ConfigError
-from .runtime import configure
-from .samples import Outcome
-from .testing.mock_judge import MockJudgeProcess, MockJudgeSettings, spawn, verdict
 
 DEMO_LATENCY_MS = 25.0
 DEMO_LATENCY_CV = 0.5
@@ -190,7 +190,7 @@ def run_demo(
             used = [names[i % len(names)] for i in range(len(samples))]
             plain("asyncio", scores, time.perf_counter() - start, used)
 
-            from .trainer.client import submit_batch
+            from ..trainer.client import submit_batch
 
             start = time.perf_counter()
             outcomes = submit_batch(samples, route=the_route.name, app=app).outcomes()

@@ -1,21 +1,21 @@
 """What qrq.toml and workers/<backend>.toml say, as frozen values: the configuration model.
 
-`config.py` reads and checks the files into these; everything else only reads them.
+`loader.py` reads and checks the files into these; everything else only reads them.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import UnknownRoute
-from .flow.ratelimit_headers import DEFAULT_MAX_PAUSE_S
-from .redact import remember
-from .samples import DEFAULT_MAX_SAMPLE_BYTES
+from ..errors import UnknownRoute
+from ..flow.ratelimit_headers import DEFAULT_MAX_PAUSE_S
+from ..message import DEFAULT_JOB
+from ..redact import remember
+from ..samples import DEFAULT_MAX_SAMPLE_BYTES
 from .toml_table import env_names
 
 DEFAULT_TEMPLATE = (
@@ -250,18 +250,6 @@ class GatewaySettings:
     keys_env: str | None = None
     keys_file: str | None = None
     budgets: dict[str, Budget] = field(default_factory=dict, hash=False)
-
-
-DEFAULT_JOB = "default"  # the job of a process that names none
-JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # also a Prometheus label value
-
-
-def job_problem(name: object) -> str | None:
-    """Why `name` cannot be a job's name (None: it can)."""
-    if isinstance(name, str) and JOB_NAME.fullmatch(name):
-        return None
-    return (f"expected a job's name: 1 to 64 letters, digits, '.', '_' or '-' (a letter or "
-            f"digit first), got {name!r}")
 
 
 @dataclass(frozen=True)

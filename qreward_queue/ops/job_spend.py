@@ -17,10 +17,10 @@ from typing import Any
 import redis
 
 from .. import keys
+from ..config.model import Config
 from ..flow.spend import _figures as figures
 from ..flow.spend import hour_now
 from ..priority import LEVELS
-from ..settings import Config
 
 FLUSH_EVERY_S = 0.1
 

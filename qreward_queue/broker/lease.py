@@ -20,7 +20,7 @@ from typing import Any
 
 import redis
 
-from . import keys
+from .. import keys
 
 CONFIRM_S = 2.0  # a lapsed lease counts once seen lapsed this long
 CHECK_EVERY_S = 0.25  # a worker looks at a batch's lease at most this often

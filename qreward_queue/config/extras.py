@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 EXTRAS = {  # top-level module -> the extra of pyproject.toml that installs it
     "aiohttp": "gateway",

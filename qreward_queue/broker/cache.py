@@ -9,10 +9,10 @@ from collections.abc import Sequence
 
 import redis
 
-from . import keys
-from .backends import make_backend
-from .samples import Outcome
-from .settings import Config, Route
+from .. import keys
+from ..backends import make_backend
+from ..config.model import Config, Route
+from ..samples import Outcome
 
 _CONTENT_FIELDS = ("prompt", "response", "reference", "data_source", "extra")
 

@@ -28,7 +28,6 @@ import unicodedata
 from collections.abc import Sequence
 
 FENCE_PREFIX = "response-"
-FLAG_HEAD = "injection suspected ("
 ON_INJECTION = ("score", "min", "zero")
 
 # classes, in the order a detail lists them
@@ -203,24 +202,3 @@ def _decoded_words(text: str) -> list[str]:
         if raw.isprintable() or raw.replace("\n", " ").isprintable():
             decoded.append(raw)
     return decoded
-
-
-def flag(kinds: Sequence[str], detail: str | None) -> str | None:
-    """`detail` with the flag of `kinds` at its head (unchanged when there are none)."""
-    if not kinds:
-        return detail
-    return f"{FLAG_HEAD}{', '.join(kinds)}): {detail or ''}"
-
-
-def flagged(detail: str | None) -> tuple[str, ...]:
-    """The classes a flagged `detail` names (an ensemble's JSON detail: its "injection")."""
-    if not detail:
-        return ()
-    if detail.startswith(FLAG_HEAD):
-        return tuple(detail[len(FLAG_HEAD):detail.find(")")].split(", "))
-    if detail.startswith("{") and '"injection"' in detail:
-        try:
-            return tuple(json.loads(detail).get("injection") or ())
-        except (ValueError, AttributeError):
-            return ()
-    return ()
