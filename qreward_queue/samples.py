@@ -98,7 +98,7 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, Any]:
         "by_backend": by_backend,
         "retries": sum(max(0, (o.attempts or 0) - 1) for o in outcomes),
         "cache_hits": by_status.get("cached", 0),
-        # responses that address their judge (injection.py), flagged in their detail
+        # responses that address their judge (backends/injection.py), flagged in their detail
         "injection_flagged": sum(bool(flagged(o.detail)) for o in outcomes),
         "mean_latency_ms": round(sum(scored) / len(scored), 1) if scored else None,
     }

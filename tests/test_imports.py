@@ -120,6 +120,62 @@ def test_the_walk_sees_imports_inside_functions():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
 
 
+# The sides, in the order imports may run (docs/architecture.md, "The map"): a module imports
+# its own side's modules and those of the sides after it, never one before it. The loader sits
+# with the planner: it asks each backend kind and the ensemble for their options.
+CONTRACT = ("errors", "samples", "message", "keys", "priority", "redact", "flushing")
+SIDES = (
+    ("cli",),
+    ("integrations",),
+    ("trainer",),
+    ("worker",),
+    ("ops", "testing"),
+    ("planning", "config.loader"),
+    ("broker", "backends", "rewards"),
+    ("config",),
+    ("flow",),
+    CONTRACT,
+)
+
+
+def side(module: str) -> int | None:
+    """The index in SIDES of `module`'s side (None: the package's own `__init__`, the public
+    names a user imports, which may load any side)."""
+    name = module.removeprefix("qreward_queue").removeprefix(".")
+    if not name:
+        return None
+    found = [(len(prefix), i) for i, prefixes in enumerate(SIDES) for prefix in prefixes
+             if name == prefix or name.startswith(prefix + ".")]
+    assert found, f"{module} belongs to no side: give it a folder (or add it to SIDES)"
+    return max(found)[1]
+
+
+def against_the_order(graph: dict[str, set[str]]) -> list[str]:
+    """Each import that runs from a later side to an earlier one."""
+    return [f"{a} -> {b}" for a in sorted(graph) for b in sorted(graph[a])
+            if None not in (side(a), side(b)) and side(a) > side(b)]  # type: ignore[operator]
+
+
+def test_no_top_level_module_outside_the_contract():
+    top = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
+    assert top == sorted(CONTRACT), "top-level modules outside the contract: " + ", ".join(
+        sorted(set(top) - set(CONTRACT)))
+
+
+def test_no_import_runs_against_the_side_order():
+    found = against_the_order(import_graph())
+    assert not found, "imports against the side order: " + "; ".join(found)
+
+
+def test_the_order_check_sees_an_import_from_a_later_side_up():
+    graph = {"qreward_queue.flow.limiter": {"qreward_queue.trainer.client"},
+             "qreward_queue.config.loader": {"qreward_queue.planning.ensemble"},
+             "qreward_queue.config.model": {"qreward_queue.config.loader"}}
+    assert against_the_order(graph) == [
+        "qreward_queue.config.model -> qreward_queue.config.loader",
+        "qreward_queue.flow.limiter -> qreward_queue.trainer.client"]
+
+
 def test_no_import_circle():
     found = cycles(import_graph())
     assert not found, "import circles: " + "; ".join(" -> ".join(c) for c in found)
@@ -154,10 +210,6 @@ TRAINER_IMPORTS = (
 
 
 
-@pytest.mark.xfail(
-    "qreward_queue.worker.tasks" in import_graph()["qreward_queue.trainer.client"], strict=True,
-    reason="the client imports tasks.py for the task's name and argsrepr until the task's "
-           "message contract has its own module")
 @pytest.mark.parametrize("statement", TRAINER_IMPORTS)
 def test_a_trainer_import_loads_no_worker_module(statement):
     """In a fresh interpreter, as a trainer (or its framework's reward hook) starts."""

@@ -277,7 +277,7 @@ def _routes(t: Table, backends: dict[str, Backend], broken: Collection[str] = ()
 
 
 def _integrity(r: Table) -> dict[str, Any]:
-    """`on_injection` and the `audit` lane of a route (injection.py, ops/audit.py)."""
+    """`on_injection` and the `audit` lane of a route (backends/injection.py, ops/audit.py)."""
     how = r.get("on_injection", str, "score")
     if how not in ON_INJECTION:
         raise r.fail("on_injection", f"one of {', '.join(ON_INJECTION)}")

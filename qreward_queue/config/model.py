@@ -28,7 +28,7 @@ DEFAULT_TEMPLATE = (
 DEFAULT_SCORE_PATTERN = (
     r"Score:\s*([-+]?(?:[0-9]+(?:\.[0-9]+)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?)(?!\w|[.,/]\w)"
 )
-PACKAGED_CONFIG = Path(__file__).resolve().parent / "defaults" / "qrq.toml"
+PACKAGED_CONFIG = Path(__file__).resolve().parents[1] / "defaults" / "qrq.toml"
 
 
 @dataclass(frozen=True)
@@ -148,7 +148,7 @@ class Backend:
     max_tokens: int = 16
     score_range: tuple[float, float] | None = None  # a score outside it is an error
     score_match: str = "unique"  # several scores in one reply: unique | first | last
-    # judges: "sample" (one call per sample) or "group" (one call per group, groups.py)
+    # judges: "sample" (one call per sample) or "group" (one call per group, backends/groups.py)
     mode: str = "sample"
     group_template: str | None = None  # None: groups.DEFAULT_GROUP_TEMPLATE
     group_max: int = 16  # the most responses one group call holds (larger groups are split)
@@ -230,13 +230,13 @@ class Route:
     weights: tuple[float, ...]
     cache: bool = False
     cache_ttl_s: float = 86400.0
-    # an ensemble (ensemble.py): `votes` scores per sample, vote j on backends[j % len], each
+    # an ensemble (planning/ensemble.py): `votes` scores per sample, vote j on backends[j % len], each
     # a call under its own backend's limits; aggregated by `aggregate` over at least `quorum`
     votes: int | None = None
     aggregate: str = "mean"
     quorum: int = 1
     temperature: float = 1.0  # of a judge asked again (more votes than backends)
-    # a response flagged as addressing its judge (injection.py): "score" (flag only), "min"
+    # a response flagged as addressing its judge (backends/injection.py): "score" (flag only), "min"
     # (an ensemble's lowest vote), "zero" (score 0, saying why)
     on_injection: str = "score"
     audit: Audit | None = None
