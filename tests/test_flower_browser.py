@@ -68,8 +68,8 @@ def test_flower_in_a_browser_during_a_batch(tmp_path, redis_url, stack):
     url = f"http://127.0.0.1:{port}"
     log = (tmp_path / "flower.log").open("w")
     flower = subprocess.Popen(
-        [str(Path(sys.executable).parent / "celery"), "--app", "qreward_queue.ops.celery_app", "flower",
-         "--address=127.0.0.1", f"--port={port}"],
+        [str(Path(sys.executable).parent / "celery"), "--app", "qreward_queue.ops.celery_app",
+         "flower", "--address=127.0.0.1", f"--port={port}"],
         env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     stack.callback(flower.wait, 20)
     stack.callback(flower.terminate)
