@@ -231,7 +231,8 @@ class Route:
     cache: bool = False
     cache_ttl_s: float = 86400.0
     # an ensemble (planning/ensemble.py): `votes` scores per sample, vote j on
-    # backends[j % len], each a call under its own backend's limits; aggregated by `aggregate` over at least `quorum`
+    # backends[j % len], each a call under its own backend's limits; aggregated by `aggregate`
+    # over at least `quorum`
     votes: int | None = None
     aggregate: str = "mean"
     quorum: int = 1
