@@ -92,9 +92,9 @@ def record_outcomes(route: str | None, outcomes: Iterable[dict | None]) -> None:
         (o.get("backend") or "-", o["status"]) for o in outcomes if o is not None)
     for (backend, status), n in counts.items():  # one file write per label set, not per sample
         _metrics.samples.labels(backend, route or "-", status).inc(n)
-    flagged = collections.Counter(o.get("backend") or "-" for o in outcomes
-                                  if o is not None and flagged(o.get("detail")))
-    for backend, n in flagged.items():
+    addressed = collections.Counter(o.get("backend") or "-" for o in outcomes
+                                    if o is not None and flagged(o.get("detail")))
+    for backend, n in addressed.items():
         _metrics.injection.labels(backend, route or "-").inc(n)
 
 
