@@ -1,6 +1,6 @@
 """A frozen Sentinel primary mid-batch: the primary is SIGSTOPped (a hung host keeps its
 sockets open and answers nothing), the sentinels promote the replica, and later the old
-primary is SIGCONTed and demoted. Used by tests/test_failover.py (which asserts the bounds)
+primary is SIGCONTed and demoted. Used by tests/e2e/test_failover.py (which asserts the bounds)
 and by benchmarks/sentinel_freeze.py (which prints the figures).
 
 "First sample through the new primary": the batch has more outcomes than the judge had

@@ -467,6 +467,6 @@ def test_the_anthropic_dialect_reaches_the_same_share_of_a_limit_as_openai(
 def test_provider_templates_speak_their_dialect_and_leave_sizing_to_the_worker(
     file, dialect, auth
 ):
-    backend = load_backend(Path(__file__).resolve().parent.parent / "workers" / file)
+    backend = load_backend(Path(__file__).resolve().parents[2] / "workers" / file)
     assert (backend.dialect, backend.auth) == (dialect, auth)
     assert backend.pool.sized  # 3 x rpm/60 x latency calls in flight (README: sizing a pool)

@@ -162,9 +162,9 @@ def verl_keys(text: str) -> set[str]:
 
 
 def checked_verl_overrides() -> set[str]:
-    """The overrides tests/test_trainers_real.py composes with verl's own config (CI runs it
+    """The overrides tests/trainers/test_trainers_real.py composes with verl's own config (CI runs it
     with verl 0.9.1 installed: bash .ci/trainers.sh), read without importing it."""
-    tree = ast.parse((ROOT / "tests" / "test_trainers_real.py").read_text())
+    tree = ast.parse((ROOT / "tests" / "trainers" / "test_trainers_real.py").read_text())
     lists = [ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
              and getattr(node.targets[0], "id", None) in ("VERL_MANAGER", "VERL_FUNCTION")]
     assert len(lists) == 2

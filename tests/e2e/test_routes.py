@@ -135,7 +135,7 @@ def test_queued_backlog_steers_new_work_to_the_idle_backend(tmp_path, redis_url,
         redis_url=redis_url, routes={"r": ["a", "b"]}, fallback_score=FALLBACK,
     )
     # every chunk on its queue at submit (with fair shares the client holds all but ~1 s of
-    # work back, and counts what it holds as queued: tests/test_fair_shares.py)
+    # work back, and counts what it holds as queued: tests/e2e/test_fair_shares.py)
     config_path.write_text(config_path.read_text() + "[jobs]\nfair_shares = false\n")
     app = make_app(config_path)
     backlog_samples = samples_for(60, "backlog")

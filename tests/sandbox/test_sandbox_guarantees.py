@@ -421,7 +421,7 @@ def test_7_only_unix_sockets_no_sysv_or_memfd_memory_no_new_session(mechanism):
 def test_8_innocent_samples_keep_their_scores_beside_a_neighbour_spinning_in_new_sessions(
     mechanism, monkeypatch
 ):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     import sandbox_neighbours
 
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(sys.path))  # the neighbour's mechanism:

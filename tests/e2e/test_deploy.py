@@ -16,7 +16,7 @@ import requests
 import yaml
 from support import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES = COMPOSE["services"]
 K8S = ROOT / "deploy" / "k8s"

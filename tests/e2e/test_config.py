@@ -13,7 +13,7 @@ from qreward_queue.config.loader import load_backend, load_config
 from qreward_queue.config.model import Config
 from qreward_queue.errors import ConfigError, UnknownRoute
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 JUDGE = """
 [backend]

@@ -32,7 +32,7 @@ from qreward_queue.errors import ConfigError, RateLimited
 from qreward_queue.ops.plan import Workload, plan_route
 from qreward_queue.planning.routing import chunk_size, plan
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 PER_CALL = 4
 CALLS_KEY = "test:quad:calls"  # each call's size, pushed by the kind (in this test's database)
 

@@ -248,7 +248,7 @@ def test_slime_rm_accepts_one_sample_or_a_group(app, monkeypatch):
     assert not single.remove_sample
 
 
-# -- OpenRLHF (file mode; the HTTP mode is tests/test_gateway.py) ------------------------------
+# -- OpenRLHF (file mode; the HTTP mode is tests/e2e/test_gateway.py) ------------------------------
 
 def test_openrlhf_reward_func_strips_the_prompt_and_eos_and_always_returns_numbers(app,
                                                                                  monkeypatch):

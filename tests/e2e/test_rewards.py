@@ -17,7 +17,7 @@ from qreward_queue.rewards.combine import weighted_sum
 from qreward_queue.rewards.format import format_reward, has_structure, repetition
 from qreward_queue.rewards.math import extract_answer, fast_equal, math_reward
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 GSM8K_REFERENCE = (
     "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
     "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72"
