@@ -32,7 +32,7 @@ from qreward_queue.errors import ConfigError, RateLimited
 from qreward_queue.ops.plan import Workload, plan_route
 from qreward_queue.planning.routing import chunk_size, plan
 
-TESTS = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent  # this file, and the tests' shared modules above it
 PER_CALL = 4
 CALLS_KEY = "test:quad:calls"  # each call's size, pushed by the kind (in this test's database)
 
@@ -174,7 +174,7 @@ def test_a_real_worker_scores_with_the_new_kind(tmp_path, redis_url, redis_clien
                                                 quad_kind):
     # Given a cached route on a quad backend and a worker that knows the kind
     config_path = quad_config(tmp_path, redis_url, scale=2.0, record_url=redis_url)
-    launcher = ("-c", f"import sys; sys.path.insert(0, {str(TESTS)!r}); "
+    launcher = ("-c", f"import sys; sys.path[:0] = [{str(HERE)!r}, {str(HERE.parent)!r}]; "
                 "import test_backend_kinds as t; t.register(); "
                 "from qreward_queue.cli.main import main; sys.argv[0] = 'qrq'; main()")
     worker = Worker(config_path, "q", launcher=launcher)
