@@ -39,5 +39,5 @@ NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet
 .venv/bin/python -m pytest -q "$@"
 # the code sandbox's guarantees again with qrq as a normal user (a whole run, as root only)
 if [ $# -eq 0 ] && [ "$(id -u)" -eq 0 ]; then
-  bash .ci/as-user.sh tests/test_sandbox.py tests/test_sandbox_guarantees.py
+  bash .ci/as-user.sh tests/sandbox/test_sandbox.py tests/sandbox/test_sandbox_guarantees.py
 fi

@@ -1,7 +1,7 @@
 """The clients qrq is measured against, all sending the request qrq's judge backend sends.
 
 (a) `naive`: one request after another, a fresh connection each, sleeping Retry-After on 429
-    (what `qreward_queue.demo.naive_score` does, timed per sample).
+    (what `qreward_queue.cli.demo.naive_score` does, timed per sample).
 (b) `async_semaphore`: the "async batch reward manager" style: asyncio, `Semaphore(60)` calls at
     once over aiohttp, exponential backoff with full jitter on 429 (sleeping in its slot), and a
     silent 0.0 after the last attempt.
@@ -32,7 +32,7 @@ import requests
 from common import SampleResult
 
 from qreward_queue.backends.judge import JudgeBackend
-from qreward_queue.config import Backend
+from qreward_queue.config.model import Backend
 
 SEMAPHORE = 60
 BACKOFF_BASE_S = 1.0

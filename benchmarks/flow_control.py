@@ -62,8 +62,8 @@ from common import (
 )
 
 import qreward_queue
-from qreward_queue.config import Limits, advised_calls
-from qreward_queue.demo import expected_scores, grpo_batch
+from qreward_queue.cli.demo import expected_scores, grpo_batch
+from qreward_queue.config.model import Limits, advised_calls
 from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn
 
 SERVER_RPM = 3000

@@ -35,8 +35,8 @@ from common import REDIS_URL, QrqWorker, flush_redis, write_config
 
 import qreward_queue
 from qreward_queue.backends import make_backend
-from qreward_queue.config import DEFAULT_TEMPLATE
-from qreward_queue.groups import DEFAULT_GROUP_TEMPLATE, render_group
+from qreward_queue.backends.groups import DEFAULT_GROUP_TEMPLATE, render_group
+from qreward_queue.config.model import DEFAULT_TEMPLATE
 from qreward_queue.testing.mock_judge import (
     MockJudgeSettings,
     rm_verdict,

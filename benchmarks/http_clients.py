@@ -39,7 +39,7 @@ import baselines
 from throughput import LATENCY_CV, LATENCY_MS, samples_for
 
 from qreward_queue.backends.transport import post_json, post_json_async
-from qreward_queue.config import Backend
+from qreward_queue.config.model import Backend
 from qreward_queue.testing.certs import Certs, make_certs
 from qreward_queue.testing.connect_proxy import spawn_proxy
 from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn

@@ -46,12 +46,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from qreward_queue import injection
 from qreward_queue.backends.base import checked_score
 from qreward_queue.backends.judge import JudgeBackend
+from qreward_queue.config.model import Audit, Backend
 from qreward_queue.errors import PermanentError, ScoringError
 from qreward_queue.ops import audit
-from qreward_queue.settings import Audit, Backend
+from qreward_queue.samples import flagged
 from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn, verdict
 
 KINDS = {
@@ -145,8 +145,8 @@ def defence_rows(url: str, data: list[tuple[str, dict]]) -> list[dict]:
         clean = [i for i, (k, _) in enumerate(data) if k == "clean"]
         row["hacked_wrong"] = sum(got[i][0] != truth[i] for i in hacked) / len(hacked)
         row["errors"] = sum(got[i][0] is None for i in range(len(data)))
-        row["flagged"] = sum(bool(injection.flagged(got[i][1])) for i in hacked) / len(hacked)
-        row["false_flags"] = sum(bool(injection.flagged(got[i][1])) for i in clean) / len(clean)
+        row["flagged"] = sum(bool(flagged(got[i][1])) for i in hacked) / len(hacked)
+        row["false_flags"] = sum(bool(flagged(got[i][1])) for i in clean) / len(clean)
         rows.append(row)
     return rows
 

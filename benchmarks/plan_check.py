@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REDIS_URL, flush_redis, judge_config, start_qrq_workers, write_config
 
 import qreward_queue
-from qreward_queue.config import PACKAGED_CONFIG
-from qreward_queue.demo import DEMO_LATENCY_MS, grpo_batch
+from qreward_queue.cli.demo import DEMO_LATENCY_MS, grpo_batch
+from qreward_queue.config.model import PACKAGED_CONFIG
 from qreward_queue.ops.plan import Workload, plan_route
 from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn
 

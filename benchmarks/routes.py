@@ -67,8 +67,8 @@ from common import (
 from support import write_route_config
 
 import qreward_queue
-from qreward_queue.config import Limits, advised_calls
-from qreward_queue.demo import expected_scores, grpo_batch
+from qreward_queue.cli.demo import expected_scores, grpo_batch
+from qreward_queue.config.model import Limits, advised_calls
 from qreward_queue.testing.mock_judge import MockJudgeProcess, MockJudgeSettings, spawn
 
 REDIS_URL = os.environ.get("QRQ_BENCH_REDIS_URL", "redis://127.0.0.1:6379/10")
@@ -364,7 +364,7 @@ class JudgeKiller(threading.Thread):
             time.sleep(0.02)
 
     def _watch_breaker(self) -> None:
-        breaker = self.env.app.breaker(self.victim)
+        breaker = self.env.app.flow.breaker(self.victim)
         while not self.stop_event.is_set():
             if breaker.is_open():
                 self.breaker_open_s = time.perf_counter() - self.t_kill
@@ -415,7 +415,7 @@ def scenario_s5(args) -> tuple[list[Run], list[str]]:
                                 before=start_killer, during=track_until_done)
         planned = run.extra.pop("_planned")
         moved = Counter(outcomes[i].backend for i in planned if outcomes[i].backend != KILLED)
-        store, breaker = env.app.store, env.app.breaker(KILLED)
+        store, breaker = env.app.store, env.app.flow.breaker(KILLED)
         run.extra |= {
             "failed_over": sum(moved.values()),
             "failed_over_to": dict(moved),

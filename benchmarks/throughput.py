@@ -55,7 +55,7 @@ import baselines
 from common import REDIS_URL, QrqWorker, flush_redis, percentile, write_config
 
 import qreward_queue
-from qreward_queue.demo import grpo_batch
+from qreward_queue.cli.demo import grpo_batch
 from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn, verdict
 
 LATENCY_MS = 20.0

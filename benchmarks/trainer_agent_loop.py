@@ -52,7 +52,7 @@ from common import (
 )
 
 import qreward_queue
-from qreward_queue.demo import expected_scores, grpo_batch
+from qreward_queue.cli.demo import expected_scores, grpo_batch
 from qreward_queue.integrations.coerce import make_sample
 from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn
 from qreward_queue.trainer.batcher import default_batcher

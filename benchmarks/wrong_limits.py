@@ -33,8 +33,8 @@ import baselines
 from common import REDIS_URL, QrqWorker, flush_redis, judge_config, write_config
 
 import qreward_queue
-from qreward_queue.config import Limits, advised_calls
-from qreward_queue.demo import expected_scores, grpo_batch
+from qreward_queue.cli.demo import expected_scores, grpo_batch
+from qreward_queue.config.model import Limits, advised_calls
 from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn
 
 LATENCY_MS = 100.0

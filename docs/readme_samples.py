@@ -89,7 +89,7 @@ def server(redis_url: str) -> str:
 def missing_extra(_: str) -> str:
     # the gateway's aiohttp made unimportable, as in a virtualenv without the `gateway` extra
     blocked = ("-c", "import sys; sys.modules['aiohttp'] = None; "
-               "from qreward_queue.cli import main; sys.argv[0] = 'qrq'; main()")
+               "from qreward_queue.cli.main import main; sys.argv[0] = 'qrq'; main()")
     return shown("qrq gateway --route demo", qrq("gateway", "--route", "demo", python=blocked))
 
 
@@ -145,7 +145,7 @@ def status(redis_url: str) -> str:
     redis.Redis.from_url(redis_url).flushdb()
     env = {"QRQ_REDIS_URL": redis_url, "QRQ_CONFIG": "qrq.toml"}
     code = ("import qreward_queue as q\n"
-            "from qreward_queue.demo import grpo_batch\n"
+            "from qreward_queue.cli.demo import grpo_batch\n"
             "samples = grpo_batch()\n"
             "q.submit_batch(samples, route='demo', priority='train')\n"
             "q.submit_batch(samples[:64], route='demo', priority='val')\n")
@@ -228,7 +228,7 @@ SLOW = {"demo"}
 
 def as_shown(text: str) -> str:
     """The installed package's directory as README shows it: `...`."""
-    from qreward_queue.config import PACKAGED_CONFIG
+    from qreward_queue.config.model import PACKAGED_CONFIG
 
     return text.replace(str(PACKAGED_CONFIG.parent.parent.parent), "...")
 

@@ -18,8 +18,8 @@ from pathlib import Path
 from types import ModuleType
 
 import qreward_queue as qrq
+from qreward_queue.config.extras import require
 from qreward_queue.errors import ConfigError
-from qreward_queue.extras import require
 from qreward_queue.testing.mock_judge import MockJudge, MockJudgeSettings
 
 
@@ -51,6 +51,6 @@ def mock_stack() -> Iterator[Path]:
         try:
             yield config
         finally:
-            from qreward_queue.runtime import shutdown
+            from qreward_queue.trainer.runtime import shutdown
 
             shutdown()

@@ -1,6 +1,7 @@
 """qreward-queue: score RL rewards fast under the rate limits of the services that compute them."""
 
-from .config import Config, load_config
+from .config.loader import load_config
+from .config.model import Config
 from .errors import (
     ConfigError,
     InvalidSamples,
@@ -13,10 +14,10 @@ from .errors import (
     TransientError,
     UnknownRoute,
 )
-from .runtime import configure, get_app
 from .samples import Outcome
 from .trainer.batcher import MicroBatcher, score_one, score_one_sync
 from .trainer.client import RewardBatch, score, submit_batch
+from .trainer.runtime import configure, get_app
 
 __all__ = [
     "Config",

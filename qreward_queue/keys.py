@@ -31,6 +31,15 @@ def share_keys(queue: str, level: int) -> dict[str, str]:
     return {"active": f"{tag}:active", "queued": f"{tag}:queued", "weights": f"{tag}:weights"}
 
 
+# A worker's heartbeat: `alive` every HEARTBEAT_S with a TTL of HEARTBEAT_TTL_S (a client
+# resubmits the tasks `held` by a node whose `alive` lapsed); a running task's `held` key is
+# refreshed as often and lapses after HELD_TTL_S; `consumers` outlives any pause in heartbeats.
+HEARTBEAT_S = 5
+HEARTBEAT_TTL_S = 15
+HELD_TTL_S = 6 * 3600
+CONSUMERS_TTL_S = 24 * 3600
+
+
 def held(task_id: str) -> str:
     """The node holding a task (running it, or waiting out its retry countdown)."""
     return f"{PREFIX}held:{task_id}"

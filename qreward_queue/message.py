@@ -11,12 +11,22 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
-from .settings import DEFAULT_JOB, job_problem
-
 TASK_NAME = "qrq.score_chunk"
+DEFAULT_JOB = "default"  # the job of a process that names none
+JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # also a Prometheus label value
+
+
+def job_problem(name: object) -> str | None:
+    """Why `name` cannot be a job's name (None: it can)."""
+    if isinstance(name, str) and JOB_NAME.fullmatch(name):
+        return None
+    return (f"expected a job's name: 1 to 64 letters, digits, '.', '_' or '-' (a letter or "
+            f"digit first), got {name!r}")
+
 
 
 class MalformedMessage(ValueError):

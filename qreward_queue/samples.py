@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .errors import InvalidSamples, ScoringError
-from .injection import flagged
 from .redact import redact
 
 Status = Literal["ok", "cached", "timeout", "error", "cancelled"]
@@ -99,7 +98,7 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, Any]:
         "by_backend": by_backend,
         "retries": sum(max(0, (o.attempts or 0) - 1) for o in outcomes),
         "cache_hits": by_status.get("cached", 0),
-        # responses that address their judge (injection.py), flagged in their detail
+        # responses that address their judge (backends/injection.py), flagged in their detail
         "injection_flagged": sum(bool(flagged(o.detail)) for o in outcomes),
         "mean_latency_ms": round(sum(scored) / len(scored), 1) if scored else None,
     }
@@ -181,3 +180,29 @@ def validate_samples(
     if problems and raise_errors:
         raise InvalidSamples(problems)
     return problems
+
+
+# A response that addresses its judge is flagged at the head of its outcome's detail
+# (backends/injection.py tells the classes).
+FLAG_HEAD = "injection suspected ("
+
+
+def flag(kinds: Sequence[str], detail: str | None) -> str | None:
+    """`detail` with the flag of `kinds` at its head (unchanged when there are none)."""
+    if not kinds:
+        return detail
+    return f"{FLAG_HEAD}{', '.join(kinds)}): {detail or ''}"
+
+
+def flagged(detail: str | None) -> tuple[str, ...]:
+    """The classes a flagged `detail` names (an ensemble's JSON detail: its "injection")."""
+    if not detail:
+        return ()
+    if detail.startswith(FLAG_HEAD):
+        return tuple(detail[len(FLAG_HEAD):detail.find(")")].split(", "))
+    if detail.startswith("{") and '"injection"' in detail:
+        try:
+            return tuple(json.loads(detail).get("injection") or ())
+        except (ValueError, AttributeError):
+            return ()
+    return ()

@@ -17,7 +17,7 @@ REDIS_DB = int(os.environ.get("QRQ_TEST_REDIS_DB", "15"))
 def no_embedded_workers_left():
     """Whatever a test configured, its in-process worker threads stop with it."""
     yield
-    from qreward_queue.runtime import shutdown
+    from qreward_queue.trainer.runtime import shutdown
 
     shutdown()
 

@@ -1,6 +1,6 @@
 """Faults a deployment meets, each run against a batch of 2,000 samples: how many judge calls
 were bought twice (the mock judge's own request counter minus the samples) and how many
-samples were lost. Used by tests/test_chaos.py (which asserts the bounds) and by
+samples were lost. Used by tests/e2e/test_chaos.py (which asserts the bounds) and by
 benchmarks/duplicates.py (which prints the figures).
 
 Everything runs on a private redis-server without persistence (a restart loses all), three

@@ -1,6 +1,6 @@
 """A frozen Sentinel primary mid-batch: the primary is SIGSTOPped (a hung host keeps its
 sockets open and answers nothing), the sentinels promote the replica, and later the old
-primary is SIGCONTed and demoted. Used by tests/test_failover.py (which asserts the bounds)
+primary is SIGCONTed and demoted. Used by tests/e2e/test_failover.py (which asserts the bounds)
 and by benchmarks/sentinel_freeze.py (which prints the figures).
 
 "First sample through the new primary": the batch has more outcomes than the judge had
@@ -21,8 +21,8 @@ from sentinel_cluster import SERVICE, PromotionWatch, SentinelCluster
 from support import expected, judge_backend, start_workers, wait_for, write_config
 
 import qreward_queue
-from qreward_queue.app import REDIS_READ_TIMEOUT_S
-from qreward_queue.runtime import check_redis
+from qreward_queue.broker.app import REDIS_READ_TIMEOUT_S
+from qreward_queue.config.redis_conn import check_redis
 from qreward_queue.testing.mock_judge import MockJudgeSettings, spawn
 
 SAMPLES = 2000

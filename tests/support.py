@@ -341,7 +341,7 @@ def close_half_closed_channel(url: str, queue_name: str, **transport_options) ->
     the transport's client gone, the channel not yet closed), then close it (see kombu_fix)."""
     from kombu import Connection, Queue
 
-    import qreward_queue.app  # noqa: F401  (installs kombu_fix, as every qrq process does)
+    import qreward_queue.broker.app  # noqa: F401  (installs kombu_fix, as every qrq process does)
 
     with Connection(url, transport_options=transport_options) as conn:
         channel = conn.default_channel

@@ -3,7 +3,7 @@
     python deploy/k8s/render.py          # rewrite the manifests
     python deploy/k8s/render.py --check  # exit 1 if a manifest is missing or stale
 
-Why generated: a backend file without a pool is a queue nobody serves. tests/test_deploy.py
+Why generated: a backend file without a pool is a queue nobody serves. tests/e2e/test_deploy.py
 runs `--check`, so adding workers/<name>.toml without re-rendering fails the tests.
 
 Scaling: kombu keeps one Redis list per priority level of a queue, so a pool scales on the sum
@@ -18,7 +18,8 @@ from pathlib import Path
 
 import yaml
 
-from qreward_queue.config import Backend, load_backend
+from qreward_queue.config.loader import load_backend
+from qreward_queue.config.model import Backend
 from qreward_queue.keys import queue_lists
 
 ROOT = Path(__file__).resolve().parents[2]

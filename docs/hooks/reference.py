@@ -1,7 +1,7 @@
 """mkdocs hook: the configuration reference, generated from the settings dataclasses.
 
 A page holding `<!-- generated: settings -->` gets one table per dataclass of
-`qreward_queue/settings.py` (field, type, default, the comment the source gives it), so the
+`qreward_queue/config/model.py` (field, type, default, the comment the source gives it), so the
 reference cannot drift from the model the loader fills. The CLI reference comes from click
 itself (the `mkdocs-click` extension, docs/cli.md).
 """
@@ -14,7 +14,7 @@ import inspect
 import re
 from typing import Any
 
-from qreward_queue import settings
+from qreward_queue.config import model as settings
 
 MARK = "<!-- generated: settings -->"
 # each dataclass and where its values are written
@@ -60,7 +60,7 @@ def default_of(field: dataclasses.Field[Any]) -> str:
     else:
         return "required"
     if isinstance(value, str) and "\n" in value:
-        return "(see `settings.py`)"
+        return "(see `config/model.py`)"
     text = repr(value) if not dataclasses.is_dataclass(value) else f"`{type(value).__name__}()`"
     return text if text.startswith("`") else f"`{text}`"
 

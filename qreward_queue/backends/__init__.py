@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from functools import cache
 
+from ..config.model import Backend
 from ..errors import ConfigError
-from ..settings import Backend
 from .base import BackendClient, Call
 from .function import FunctionBackend
 from .judge import JudgeBackend

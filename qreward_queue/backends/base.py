@@ -16,10 +16,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from ..config.model import Backend
+from ..config.toml_table import Table
 from ..errors import PermanentError, ScoringError
 from ..flow.ratelimit_headers import Feedback
-from ..settings import Backend
-from ..toml_table import Table
 
 MAX_USAGE_TOKENS = 10**12  # more than any call can cost: a larger count is garbage
 

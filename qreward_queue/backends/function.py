@@ -11,8 +11,8 @@ import importlib
 import re
 from typing import Any
 
-from ..settings import Backend
-from ..toml_table import Table
+from ..config.model import Backend
+from ..config.toml_table import Table
 from .base import BackendClient, Call
 
 

@@ -38,8 +38,8 @@ from functools import cache
 from multiprocessing.connection import Connection
 from typing import Any
 
+from ..config.model import Backend
 from ..errors import PermanentError, SampleTimeout, ScoringError
-from ..settings import Backend
 
 FLUSH_S = 0.02  # a helper sends its results at least this often, so a kill loses little work
 STARTUP_GRACE_S = 30.0  # a new helper's imports before sample 0 are not that sample's time

@@ -10,11 +10,11 @@ from abc import abstractmethod
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from ..config.model import Backend
+from ..config.toml_table import Table, expand_env
 from ..errors import ConfigError, ScoringError
 from ..flow.ratelimit_headers import Feedback
 from ..redact import redact_url
-from ..settings import Backend
-from ..toml_table import Table, expand_env
 from .base import BackendClient, Call
 from .dialects import AUTH_SCHEMES, DIALECTS, Dialect
 

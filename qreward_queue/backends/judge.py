@@ -18,12 +18,12 @@ import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from .. import groups, injection
+from ..config.model import DEFAULT_SCORE_PATTERN, DEFAULT_TEMPLATE, Backend
+from ..config.toml_table import Table
 from ..errors import ConfigError, PermanentError, ScoringError
 from ..priority import CALL_LEVEL
-from ..settings import DEFAULT_SCORE_PATTERN, DEFAULT_TEMPLATE, Backend
-from ..toml_table import Table
-from . import passthrough
+from ..samples import flag
+from . import groups, injection, passthrough
 from .base import Call, checked_score, read_score_range, usage_split, usage_tokens
 from .dialects import DIALECTS, Dialect
 from .http import HttpBackend
@@ -213,7 +213,7 @@ class JudgeBackend(HttpBackend):
         return Call(
             scores if isinstance(scores, list) else [scores], usage_tokens(reply.body),
             reply.status_code, reply.headers,
-            [injection.flag(injection.detect(r), content[:500]) for r in responses],
+            [flag(injection.detect(r), content[:500]) for r in responses],
             usage_split(reply.body),
         )
 

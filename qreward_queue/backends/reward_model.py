@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..config.model import Backend
+from ..config.toml_table import Table
 from ..errors import PermanentError
-from ..settings import Backend
-from ..toml_table import Table
 from .base import Call, checked_score, read_score_range, usage_split, usage_tokens
 from .http import HttpBackend
 

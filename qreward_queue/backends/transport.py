@@ -43,11 +43,11 @@ from urllib.request import getproxies_environment, proxy_bypass
 
 import httptools
 
+from ..config.model import Backend
+from ..config.toml_table import expand_env
 from ..errors import ConfigError, PermanentError, RateLimited, ScoringError, TransientError
 from ..flow.ratelimit_headers import RATE_LIMITED_STATUSES, RateLimitHeaders
 from ..redact import redact_url, remember
-from ..settings import Backend
-from ..toml_table import expand_env
 
 AUTH_HEADERS = {  # `auth` in a backend file: how the API key is sent
     "bearer": "Authorization: Bearer {key}\r\n",

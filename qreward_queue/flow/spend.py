@@ -16,14 +16,16 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 
 from .. import flushing, keys
-from ..config import Backend, Budget
 from ..errors import BudgetExceeded
-from ..settings import DEFAULT_JOB
+from ..message import DEFAULT_JOB
+
+if TYPE_CHECKING:  # flow sits below the configuration: it is handed its backend
+    from ..config.model import Backend, Budget
 
 FIELDS = ("calls", "tokens_in", "tokens_out", "estimated", "cost_micro")
 FLUSH_EVERY_S = 0.1

@@ -30,13 +30,13 @@ from typing import Any
 
 from aiohttp import web
 
+from ..ops.job_spend import FLUSH_EVERY_S, JobLedger
 from ..priority import Priority
-from ..runtime import get_app
 from ..samples import Outcome
 from ..trainer.batcher import MicroBatcher
+from ..trainer.runtime import get_app
 from .coerce import make_sample
 from .gateway_keys import Job, Keys
-from .job_spend import FLUSH_EVERY_S, JobLedger
 from .openai_gateway import PRIORITY_HEADER, ApiError, ChatCompletions
 from .openrlhf import DEADLINE_S as OPENRLHF_DEADLINE_S
 from .openrlhf import reply, samples_of

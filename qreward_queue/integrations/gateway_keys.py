@@ -23,10 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..config.model import GatewaySettings
+from ..config.toml_table import read_toml
 from ..errors import ConfigError
+from ..message import DEFAULT_JOB, job_problem
 from ..priority import Priority
-from ..settings import DEFAULT_JOB, GatewaySettings, job_problem
-from ..toml_table import read_toml
 
 OPEN_JOB = DEFAULT_JOB
 

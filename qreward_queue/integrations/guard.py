@@ -13,8 +13,8 @@ import os
 import sys
 
 from ..errors import ConfigError, ScoringError
-from ..runtime import get_app
 from ..samples import Outcome
+from ..trainer.runtime import get_app
 
 ALLOW_ENV = "QRQ_ALLOW_EMBEDDED"
 _noted: set[int] = set()  # the processes that said it already (a forked child says it again)

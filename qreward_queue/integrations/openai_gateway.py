@@ -39,14 +39,14 @@ from aiohttp import web
 from .. import keys
 from ..backends import passthrough
 from ..backends.dialects import DIALECTS
+from ..config.model import Route
 from ..errors import RedisUnreachable, UnknownRoute
+from ..ops.job_spend import JobLedger
 from ..ops.liveness import live_workers
-from ..runtime import get_app
 from ..samples import Outcome
-from ..settings import Route
 from ..trainer.batcher import MicroBatcher
+from ..trainer.runtime import get_app
 from .gateway_keys import Job
-from .job_spend import JobLedger
 
 ROUTE_PREFIX = "qrq/"
 PRIORITY_HEADER, DEADLINE_HEADER = "X-Qrq-Priority", "X-Qrq-Deadline-S"
@@ -265,7 +265,7 @@ def _cache_key(route: Route, endpoint: str, body: dict[str, Any]) -> str | None:
     is not 0."""
     if not route.cache or body.get("temperature") not in (0, 0.0) or body.get("n", 1) != 1:
         return None
-    from ..cache import reward_identity
+    from ..broker.cache import reward_identity
 
     identity = reward_identity(get_app().qrq_config, route)
     text = json.dumps([endpoint, body], sort_keys=True)

@@ -24,7 +24,7 @@ from typing import Any
 import redis
 
 from .. import keys
-from ..settings import Audit
+from ..config.model import Audit
 
 HOUR_S = 3600
 KEEP_HOURS = 24 * 8  # an hour's counts live a week and a day

@@ -33,12 +33,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from .. import keys
-from ..app import QrqCelery
-from ..extras import require
-from ..flow.capacity import queue_depths
-from ..integrations.job_spend import job_rows
+from ..broker.app import QrqCelery
+from ..config.extras import require
+from ..planning.capacity import queue_depths
 from ..priority import Priority
 from . import audit
+from .job_spend import job_rows
 from .metrics_http import LOCAL, serve_metrics
 from .status import backend_rows
 
@@ -112,7 +112,7 @@ class RedisStateCollector:
             queue = app.backend_config(name).queue
             for level, depth in queue_depths(app.store, queue).items():
                 g["queue_depth"].add_metric([name, Priority.name_of(level)], depth)
-            g["breaker_state"].add_metric([name], BREAKER_STATES[app.breaker(name).state()])
+            g["breaker_state"].add_metric([name], BREAKER_STATES[app.flow.breaker(name).state()])
             if "leases_in_use" not in row:
                 continue  # no limits configured: nothing more to show
             g["leases_in_use"].add_metric([name], row["leases_in_use"])

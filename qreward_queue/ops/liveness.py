@@ -20,9 +20,6 @@ import redis
 from .. import keys
 
 log = logging.getLogger("qreward_queue")
-HEARTBEAT_S = 5  # a worker's heartbeat, and a running task's `qrq:held:` key, every 5 s
-HELD_TTL_S = 6 * 3600
-CONSUMERS_TTL_S = 24 * 3600  # the set outlives any pause in heartbeats; refreshed by each beat
 
 
 def beat(store: redis.Redis, node: str, queues: Iterable[str], ttl_s: float,
@@ -35,7 +32,7 @@ def beat(store: redis.Redis, node: str, queues: Iterable[str], ttl_s: float,
             pipe.set(keys.call_pools(node), json.dumps(pools), ex=int(ttl_s))
         for queue in queues:
             pipe.sadd(keys.consumers(queue), node)
-            pipe.expire(keys.consumers(queue), CONSUMERS_TTL_S)
+            pipe.expire(keys.consumers(queue), keys.CONSUMERS_TTL_S)
         pipe.execute()
 
 

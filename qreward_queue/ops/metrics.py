@@ -30,14 +30,14 @@ from typing import TYPE_CHECKING, Any
 
 from celery.signals import task_success
 
-from .. import injection
+from ..config.extras import require
 from ..errors import ConfigError
-from ..extras import require
 from ..message import TASK_NAME
+from ..samples import flagged
 from .metrics_http import LOCAL, serve_metrics
 
 if TYPE_CHECKING:
-    from ..config import Config
+    from ..config.model import Config
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -92,9 +92,9 @@ def record_outcomes(route: str | None, outcomes: Iterable[dict | None]) -> None:
         (o.get("backend") or "-", o["status"]) for o in outcomes if o is not None)
     for (backend, status), n in counts.items():  # one file write per label set, not per sample
         _metrics.samples.labels(backend, route or "-", status).inc(n)
-    flagged = collections.Counter(o.get("backend") or "-" for o in outcomes
-                                  if o is not None and injection.flagged(o.get("detail")))
-    for backend, n in flagged.items():
+    addressed = collections.Counter(o.get("backend") or "-" for o in outcomes
+                                    if o is not None and flagged(o.get("detail")))
+    for backend, n in addressed.items():
         _metrics.injection.labels(backend, route or "-").inc(n)
 
 

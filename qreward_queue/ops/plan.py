@@ -24,7 +24,7 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from ..backends import make_backend
-from ..settings import Backend, Config
+from ..config.model import Backend, Config
 
 SERVICE_LIMITS = ("rpm", "tpm", "concurrency")  # the service sets these; we cannot raise them
 

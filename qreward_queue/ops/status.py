@@ -7,14 +7,14 @@ import json
 import time
 from collections.abc import Callable
 
-from ..app import QrqCelery
-from ..config import Config
-from ..flow.capacity import QueuedSamples, queue_depth, queue_depths
+from ..broker.app import QrqCelery
+from ..config.model import Config
 from ..flow.limiter import CLAIM_WINDOW_S, CORROBORATE
 from ..flow.spend import backend_spend
-from ..integrations.job_spend import job_rows
+from ..planning.capacity import QueuedSamples, queue_depth, queue_depths
 from ..priority import Priority
 from . import audit
+from .job_spend import job_rows
 from .liveness import call_pools, live_workers
 from .plan import samples_per_call
 
@@ -26,7 +26,7 @@ def backend_rows(app: QrqCelery) -> list[dict]:
     and its spend (total, this hour, each budget cap's use and what is left)."""
     rows = []
     for name, backend in app.qrq_config.backends.items():
-        limiter = app.limiter(name)
+        limiter = app.flow.limiter(name)
         nodes = live_workers(app.store, backend.queue)
         row = {
             "backend": name,
@@ -60,7 +60,7 @@ def snapshot(app: QrqCelery, previous: dict | None = None) -> dict:
         row["queued_by_priority"] = {Priority.name_of(level): n
                                      for level, n in depths.items() if n}
         row["queued_samples"] = counts.read(backend.queue)
-        row["breaker"] = app.breaker(row["backend"]).state()
+        row["breaker"] = app.flow.breaker(row["backend"]).state()
         rpm = row.get("limits", {}).get("rpm", {}).get("per_minute")
         row["limit_samples_per_s"] = rpm / 60 * per_call if rpm else None
         prev = before.get(row["backend"])
@@ -118,7 +118,7 @@ def render_snapshot(snap: dict) -> str:
               for row in snap["backends"] for node, pool in row.get("calls", {}).items()]
     for row in snap["backends"]:
         lines += render_spend(row["backend"], row["spend"])
-    for job in snap.get("jobs", []):  # integrations/job_spend.py
+    for job in snap.get("jobs", []):  # ops/job_spend.py
         spent = render_spend(f"job {job['job']}", job)
         if spent:
             spent[0] += (f" ({job['share']:.1%} of the jobs' calls; weight {job['weight']:g}; "

@@ -7,7 +7,8 @@ Verdict rule (deterministic, so tests can check every score):
     the last message with role "user". The reward-model endpoint scores each item with
     rm_verdict(prompt, response) = verdict(prompt + "\\n" + response).
 
-Group prompts (one chat call judging a whole group; the wire format is qreward_queue.groups'):
+Group prompts (one chat call judging a whole group; the wire format is
+qreward_queue.backends.groups'):
 a judged text holding numbered blocks '<response id="1">\\n...\\n</response>', numbered 1, 2, ...
 in order, is a group. Its head is the text before the first block (the shared prompt and the
 instructions); each response scores rm_verdict(head, response), and the reply ends with the

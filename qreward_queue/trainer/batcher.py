@@ -30,12 +30,12 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..planning.routing import grouped, pack
 from ..priority import Priority
-from ..runtime import get_app
 from ..samples import Outcome
 from . import aio
 from .client import submit_batch
-from .routing import grouped, pack
+from .runtime import get_app
 
 _Key = tuple[str | None, Priority, float | None, str | None]  # route, priority, deadline, job
 _Item = tuple[dict[str, Any], Future[Outcome]]

@@ -30,10 +30,12 @@ import kombu.exceptions
 import redis
 from celery.states import READY_STATES
 
-from .. import lease, records, redis_conn, redis_wait
-from ..app import REDIS_READ_TIMEOUT_S, QrqCelery
-from ..cache import ScoreCache, record_cache, reward_identity, unit_keys
-from ..config import Config, Route
+from ..broker import lease, records, redis_wait
+from ..broker.app import REDIS_READ_TIMEOUT_S, QrqCelery
+from ..broker.cache import ScoreCache, record_cache, reward_identity, unit_keys
+from ..config import redis_conn
+from ..config.model import Config, Route
+from ..config.redis_conn import redis_problem
 from ..errors import (
     Cancelled,
     DeadlineExceeded,
@@ -43,16 +45,16 @@ from ..errors import (
     ScoringError,
 )
 from ..flow import spend
-from ..flow.capacity import route_shares
-from ..integrations import job_spend
+from ..message import DEFAULT_JOB
+from ..ops import job_spend
+from ..planning.capacity import route_shares
+from ..planning.routing import Chunk, plan, plan_dealt, units
 from ..priority import Priority
-from ..runtime import get_app, redis_problem
 from ..samples import Outcome, summarize, validate_samples
-from ..settings import DEFAULT_JOB
 from . import collector, integrity, shares
 from .placement import Placement
 from .publisher import Publisher
-from .routing import Chunk, plan, plan_dealt, units
+from .runtime import get_app
 from .watchdog import Watchdog
 
 ABANDON_WAIT_S = 5.0  # Ctrl-C while submitting: how long the publish under way may end first

@@ -1,6 +1,6 @@
 """The client's one reader per process (per Redis): it sleeps in Redis until something finishes.
 
-Workers announce what finished on the submitting reader's inbox (records.py: a stream, one
+Workers announce what finished on the submitting reader's inbox (broker/records.py: a stream, one
 entry per records flush and per chunk task that ended). This process's reader blocks on it
 (XREAD BLOCK) for every batch of the process at once, hands each batch what came for it, and
 wakes early only when a batch's deadline or its watchdog's next look is due. `get()`, `await
@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from .. import keys, records, redis_wait
-from ..app import REDIS_READ_TIMEOUT_S, QrqCelery
+from .. import keys
+from ..broker import records, redis_wait
+from ..broker.app import REDIS_READ_TIMEOUT_S, QrqCelery
 from .per_app import PerApp
 
 if TYPE_CHECKING:

@@ -16,13 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from .. import injection
+from ..config.model import Route
 from ..ops import audit
-from ..samples import Outcome
-from ..settings import Route
+from ..samples import Outcome, flagged
 
 if TYPE_CHECKING:
-    from ..app import QrqCelery
+    from ..broker.app import QrqCelery
 
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -36,7 +35,7 @@ def on_injection(route: Route, outcome: Outcome) -> Outcome:
     """`outcome` under the route's policy: with "zero" a flagged score becomes 0, its detail
     saying what the judge gave. ("min" acts in the ensemble's aggregate, "score" flags only.)"""
     if route.on_injection != "zero" or outcome.status != "ok" or outcome.score is None \
-            or not injection.flagged(outcome.detail):
+            or not flagged(outcome.detail):
         return outcome
     note = f" [scored 0 by on_injection = \"zero\"; the judge gave {outcome.score:g}]"
     return Outcome(0.0, "ok", outcome.backend, outcome.attempts, outcome.latency_ms,

@@ -8,7 +8,7 @@ import threading
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from ..app import QrqCelery
+from ..broker.app import QrqCelery
 
 T = TypeVar("T")
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..ensemble import Ballot
+from ..config.model import Route
+from ..planning.ensemble import Ballot
 from ..samples import Outcome
-from ..settings import Route
 
 Listener = Callable[[int, Outcome], None]
 

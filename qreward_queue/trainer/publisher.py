@@ -6,12 +6,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .. import keys, lease
-from ..app import QrqCelery
-from ..flow.capacity import QueuedSamples
+from .. import keys
+from ..broker import lease
+from ..broker.app import QrqCelery
+from ..config.model import Route
 from ..message import TASK_NAME, chunk_kwargs, summary
-from ..settings import Route
-from .routing import Chunk
+from ..planning.capacity import QueuedSamples
+from ..planning.routing import Chunk
 
 
 class Publisher:

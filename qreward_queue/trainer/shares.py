@@ -32,11 +32,11 @@ from typing import Protocol
 import redis
 
 from .. import keys
-from ..app import QrqCelery
-from ..flow.capacity import backend_rate
-from ..settings import job_problem
+from ..broker.app import QrqCelery
+from ..message import job_problem
+from ..planning.capacity import backend_rate
+from ..planning.routing import Chunk
 from .per_app import PerApp
-from .routing import Chunk
 
 log = logging.getLogger("qreward_queue")
 TARGET_S = 1.0  # what all jobs may keep waiting on a level: this long at the backend's rate

@@ -12,12 +12,13 @@ import time
 from typing import Any
 
 from .. import keys
-from ..app import HEARTBEAT_S, QrqCelery
-from ..flow.capacity import queue_depth
+from ..broker.app import QrqCelery
+from ..config.model import Route
+from ..keys import HEARTBEAT_S
 from ..ops.liveness import NoWorkerWatch
-from ..settings import Route
+from ..planning.capacity import queue_depth
+from ..planning.routing import Chunk
 from .publisher import Publisher
-from .routing import Chunk
 
 LOOK_EVERY_S = 2.0
 RECOVERY_GRACE_S = HEARTBEAT_S + LOOK_EVERY_S + 1.0

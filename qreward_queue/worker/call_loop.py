@@ -19,7 +19,7 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from ..backends import make_backend
-from ..config import MAX_PROCESS_CALLS, Backend
+from ..config.model import MAX_PROCESS_CALLS, Backend
 from .call_pool import CallSizing
 
 _T = TypeVar("_T")

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from ..backends import BackendClient, Call, make_backend
-from ..config import Backend
+from ..config.model import Backend
 from ..errors import (
     BudgetExceeded,
     Cancelled,
@@ -29,8 +29,8 @@ from ..flow.breaker import CircuitBreaker
 from ..flow.limiter import Grant, Limiter, Reading
 from ..flow.ratelimit_headers import Feedback
 from ..flow.spend import Booking, Ledger, Usage
+from ..message import DEFAULT_JOB
 from ..ops import metrics
-from ..settings import DEFAULT_JOB
 
 MAX_LIMITER_WAIT_S = 30.0
 HEDGE_LIMITER_WAIT_S = 1.0  # a hedge that cannot start this soon is not worth it

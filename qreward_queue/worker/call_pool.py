@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable
 
 from ..backends import make_backend
-from ..config import MAX_PROCESS_CALLS, PROCESS_CALLS, Backend, advised_calls
+from ..config.model import MAX_PROCESS_CALLS, PROCESS_CALLS, Backend, advised_calls
 
 
 class CallSizing:

@@ -15,7 +15,7 @@ from functools import partial
 from typing import Any
 
 from ..backends import Call
-from ..config import Backend
+from ..config.model import Backend
 from ..errors import (
     BudgetExceeded,
     Cancelled,
@@ -28,8 +28,8 @@ from ..errors import (
 from ..flow.breaker import CircuitBreaker
 from ..flow.limiter import Grant, Limiter
 from ..flow.spend import Ledger
+from ..message import DEFAULT_JOB
 from ..samples import Outcome
-from ..settings import DEFAULT_JOB
 from .call_loop import Slots, call_loop
 from .call_path import MAX_LIMITER_WAIT_S, CallPath
 from .call_pool import CallPool, InFlight, call_pool

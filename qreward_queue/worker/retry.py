@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-from ..config import Retry
+from ..config.model import Retry
 from ..errors import RateLimited
 
 RETURN_MARGIN_S = 0.5  # a chunk returns what it has this long before the batch deadline

@@ -22,14 +22,15 @@ from typing import Any
 import redis
 from celery.exceptions import Retry
 
-from .. import records
+from .. import keys
+from ..broker import records
 from ..errors import Cancelled, DeadlineExceeded, TransientError
-from ..flow import capacity
 from ..message import TASK_NAME, ChunkMessage, summary
 from ..ops import liveness, metrics
+from ..planning import capacity
+from ..planning.routing import failover_target
 from ..priority import stamped
 from ..samples import Outcome
-from ..trainer.routing import failover_target
 from .chunk_runner import ChunkRunner
 from .retry import RetryPolicy, time_left_s
 
@@ -66,7 +67,7 @@ def score_chunk(self, **kwargs: Any) -> list[dict]:
     if why:  # a queued chunk of a cancelled or abandoned batch: dropped, nothing called
         return _cancelled(done, todo, why, backend, attempt)
     siblings = [b for b in msg.route if b != backend and b not in msg.tried]
-    breaker = app.breaker(backend) if len(msg.route) > 1 else None
+    breaker = app.flow.breaker(backend) if len(msg.route) > 1 else None
     left: dict[int, Outcome | None] = {}
     handoff_s = 0.0
     unusable = config.missing_api_key()
@@ -80,11 +81,11 @@ def score_chunk(self, **kwargs: Any) -> list[dict]:
                 {indices[todo[k]]: o.to_dict() for k, o in outcomes.items()}))
         try:
             result = ChunkRunner(
-                config, app.limiter(backend), breaker, attempt, bool(siblings), msg.deadline,
-                stop, record, app.ledger(backend), msg.batch, msg.job,
+                config, app.flow.limiter(backend), breaker, attempt, bool(siblings), msg.deadline,
+                stop, record, app.flow.ledger(backend), msg.batch, msg.job,
             ).run(_with_level(config, self.request, [samples[i] for i in todo]))
         finally:
-            app.ledger(backend).flush()
+            app.flow.ledger(backend).flush()
             if recorder is not None:
                 recorder.flush()
         for k, pos in enumerate(todo):
@@ -209,12 +210,12 @@ def _level(request) -> int | None:
     return level if isinstance(level, int) else None
 
 
-_keeper = liveness.HeldKeeper(liveness.HEARTBEAT_S)
+_keeper = liveness.HeldKeeper(keys.HEARTBEAT_S)
 
 
 def _new_keeper() -> None:
     global _keeper
-    _keeper = liveness.HeldKeeper(liveness.HEARTBEAT_S)  # the parent's thread is not in the child
+    _keeper = liveness.HeldKeeper(keys.HEARTBEAT_S)  # the parent's thread is not in the child
 
 
 os.register_at_fork(after_in_child=_new_keeper)
@@ -228,7 +229,7 @@ def _held_while_running(task: Callable) -> Callable:
         if self.app.qrq_config.embedded or not self.request.id:
             return task(self, *args, **kwargs)
         with _keeper.holding(self.app.store, self.request.id, self.request.hostname,
-                             liveness.HELD_TTL_S, keeps=(Retry,)):
+                             keys.HELD_TTL_S, keeps=(Retry,)):
             return task(self, *args, **kwargs)
 
     return run

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from qreward_queue.backends import BackendClient, Call
-from qreward_queue.config import Backend, Budget, Retry
+from qreward_queue.config.model import Backend, Budget, Retry
 from qreward_queue.errors import (
     BudgetExceeded,
     Cancelled,

@@ -1,0 +1,156 @@
+"""Batch leases: no judge call is made for a batch nobody waits for.
+
+The client holds `qrq:lease:<batch>` while the batch is outstanding: `live` with a short TTL,
+renewed by one thread per process (`hold`), then set to `cancelled` (cancel(), an interrupted
+wait) or `done` (every outcome in). Workers ask `BatchWatch.stop_reason` before each task and
+each call: a lease saying `cancelled`/`done`, or one that lapsed while the batch's sentinel is
+still there (the client died: kill -9, OOM, a lost node), stops the batch's calls. A lapsed
+lease must be seen lapsed for CONFIRM_S before it counts, so a lease that a Redis outage let
+expire (and that the client sets again at once when Redis is back) stops nothing; the key's
+TTL is the configured lease minus that, so workers stop within `lease_s` of the last renewal.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import weakref
+from typing import Any
+
+import redis
+
+from .. import keys
+
+CONFIRM_S = 2.0  # a lapsed lease counts once seen lapsed this long
+CHECK_EVERY_S = 0.25  # a worker looks at a batch's lease at most this often
+RETRY_S = 0.5  # a renewal that failed (Redis away) is tried again this soon
+LIVE, CANCELLED, DONE = b"live", b"cancelled", b"done"
+_REDIS_DOWN = (redis.RedisError, OSError)
+
+
+def key_ttl_ms(lease_s: float) -> int:
+    return int(max(1.0, lease_s - CONFIRM_S) * 1000)
+
+
+# Renew leases still `live` (or lapsed): one that says `cancelled` or `done` stays so, even
+# when the renewal raced the cancel.
+_RENEW = """
+for i, key in ipairs(KEYS) do
+  local state = redis.call('GET', key)
+  if state ~= 'cancelled' and state ~= 'done' then
+    redis.call('SET', key, 'live', 'PX', ARGV[i])
+  end
+end
+return 0
+"""
+
+
+class _Renewer:
+    """The process's lease keeper: one thread renews every held lease, one Lua call a store."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[str, tuple[redis.Redis, int]] = {}
+        self._scripts: dict[int, Any] = {}
+        self._thread: threading.Thread | None = None
+
+    def hold(self, store: redis.Redis, batch_id: str, lease_s: float) -> None:
+        ttl_ms = key_ttl_ms(lease_s)
+        store.set(keys.lease(batch_id), LIVE, px=ttl_ms, nx=True)  # nx: a cancel stays
+        with self._lock:
+            self._held[batch_id] = (store, ttl_ms)
+            self._scripts.setdefault(id(store), store.register_script(_RENEW))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="qrq-lease", daemon=True)
+                self._thread.start()
+
+    def drop(self, batch_id: str) -> None:
+        with self._lock:
+            self._held.pop(batch_id, None)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                held = list(self._held.items())
+                scripts = dict(self._scripts)
+            wait = min((ttl / 3000 for _, (_, ttl) in held), default=1.0)
+            by_store: dict[int, list[tuple[str, int]]] = {}
+            for batch_id, (store, ttl) in held:
+                by_store.setdefault(id(store), []).append((batch_id, ttl))
+            for store_id, group in by_store.items():
+                try:
+                    scripts[store_id](keys=[keys.lease(b) for b, _ in group],
+                                      args=[ttl for _, ttl in group])
+                except _REDIS_DOWN:  # Redis away: try again soon, so a restart costs nothing
+                    wait = RETRY_S
+            time.sleep(min(wait, 5.0))
+
+
+_renewer = _Renewer()
+
+
+def _after_fork() -> None:
+    global _renewer
+    _renewer = _Renewer()  # the parent's batches are the parent's to keep alive
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+def hold(owner: object, store: redis.Redis, batch_id: str, lease_s: float) -> None:
+    """Keep `batch_id`'s lease live while `owner` (the RewardBatch) exists and until `end`."""
+    _renewer.hold(store, batch_id, lease_s)
+    weakref.finalize(owner, _renewer.drop, batch_id)  # a batch nobody holds: let it lapse
+
+
+def release(batch_id: str) -> None:
+    """Stop renewing `batch_id`'s lease (it lapses; workers past the deadline stop anyway)."""
+    _renewer.drop(batch_id)
+
+
+def end(store: redis.Redis, batch_id: str, state: bytes, keep_s: float) -> None:
+    """Stop renewing and tell workers why (`cancelled` or `done`), for `keep_s`."""
+    _renewer.drop(batch_id)
+    store.set(keys.lease(batch_id), state, px=int(max(keep_s, 1.0) * 1000))
+
+
+class BatchWatch:
+    """A worker's view of batch leases, cached CHECK_EVERY_S per batch (one MGET a look)."""
+
+    def __init__(self, store: redis.Redis) -> None:
+        self.store = store
+        self._lock = threading.Lock()
+        self._seen: dict[str, tuple[float, str | None, float | None]] = {}
+
+    def stop_reason(self, batch_id: str | None) -> str | None:
+        """Why calls for `batch_id` must stop (None: go on, also when Redis cannot say)."""
+        if batch_id is None:
+            return None
+        now = time.monotonic()
+        with self._lock:
+            checked, reason, lapsed_since = self._seen.get(batch_id, (0.0, None, None))
+        if now - checked < CHECK_EVERY_S:
+            return reason
+        with self._lock:  # the other call threads keep the last answer meanwhile
+            self._seen[batch_id] = (now, reason, lapsed_since)
+        try:
+            lease, sentinel = self.store.mget(keys.lease(batch_id), keys.batch_sentinel(batch_id))
+        except _REDIS_DOWN:
+            return reason
+        if lease in (CANCELLED, DONE):
+            reason, lapsed_since = (
+                "the batch was cancelled by its caller" if lease == CANCELLED
+                else "the batch already has every outcome"), None
+        elif lease is None and sentinel is not None:  # lapsed, while Redis kept its data
+            lapsed_since = lapsed_since or now
+            if now - lapsed_since >= CONFIRM_S:
+                reason = "the caller's lease lapsed (its client stopped renewing it)"
+        else:
+            reason, lapsed_since = None, None
+        with self._lock:
+            if len(self._seen) > 10_000:
+                self._seen.clear()
+            self._seen[batch_id] = (now, reason, lapsed_since)
+        return reason
+

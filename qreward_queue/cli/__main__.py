@@ -1,0 +1,5 @@
+"""`python -m qreward_queue.cli` runs the `qrq` command."""
+
+from .main import main
+
+main()
