@@ -1,4 +1,5 @@
-"""Helpers for end-to-end tests: config files on disk and real `qrq worker` subprocesses."""
+"""Helpers for tests: config files on disk, real `qrq worker` subprocesses, and calls ended
+through the limiter as the worker ends them."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ import time
 from pathlib import Path
 
 import redis
+
+from qreward_queue.flow.limiter import Grant, Limiter, Reading
+from qreward_queue.flow.ratelimit_headers import Feedback
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -387,3 +391,18 @@ class PrivateRedis:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+
+def reply(grant: Grant, status: int | None, headers: dict[str, str] | None = None,
+          timed_out: bool = False, tokens: int | None = None) -> Reading:
+    """End the call of `grant` as the worker does: released with what its HTTP reply taught,
+    read as the HTTP kinds read one (`Feedback.from_http`)."""
+    return grant.release(Feedback.from_http(status, headers, timed_out, tokens=tokens))
+
+
+def call(limiter: Limiter, status: int | None, headers: dict[str, str] | None = None,
+         timed_out: bool = False) -> Reading:
+    """One call that comes back with `status`: booked (its wait not slept: what the reply
+    does is what is looked at), then ended with its reply."""
+    (grant,) = limiter.reserve(1)
+    return reply(grant, status, headers, timed_out)

@@ -6,11 +6,12 @@ scripts (``qreward_queue/flow/lua/``) clocked by Redis ``TIME`` so that skewed m
 matter. A call is booked at its start time, so levels can go below zero: later calls wait behind
 that debt (first booked, first served) and a cost above capacity passes after its fair wait.
 
-A call costs two round trips in the common case: ``acquire`` (which can grant several calls at
-once) and ``finish`` (settle tokens, learn from the reply, release the lease). Python and Lua
-exchange named fields as JSON. Key names: ``keys.limiter``.
+A call costs two round trips in the common case: its booking (``reserve`` can grant several
+calls at once) and its grant's ``release`` with what the reply taught (reconcile tokens, learn
+from the reply, free the lease). Python and Lua exchange named fields as JSON. Key names:
+``keys.limiter``.
 
-One implementation, two faces: each operation (book, wait for the booked start, finish) is a
+One implementation, two faces: each operation (book, wait for the booked start, release) is a
 generator of the Redis round trips, sleeps and blocking waits it needs (`_Eval`, `_Sleep`,
 `_Block`); `_drive` carries them out with the blocking client for a thread, `_drive_async`
 with redis-py's asyncio client on the worker's call loop (the same Lua scripts), so a call on
@@ -27,7 +28,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Generator, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import resources
@@ -38,7 +39,7 @@ import redis.asyncio
 
 from .. import keys
 from ..errors import LimiterBusy
-from .ratelimit_headers import DEFAULT_MAX_PAUSE_S, Feedback
+from .ratelimit_headers import DEFAULT_MAX_PAUSE_S, NO_FEEDBACK, Feedback
 
 log = logging.getLogger(__name__)
 
@@ -141,15 +142,14 @@ class Reading:
 
 @dataclass
 class Grant:
-    """A call the limiter let through: its lease is held until ``finish`` (or the ``with`` end)."""
+    """A call the limiter let through: its lease is held until ``release`` (or the ``with`` end)."""
 
     holder: str
     wait_s: float
     tokens: float
     _limiter: Limiter = field(repr=False)
     _shift_ms: float = field(repr=False)  # the pause shift it was booked under
-    _used_tokens: float | None = field(default=None, repr=False)
-    finished: bool = field(default=False, repr=False)
+    released: bool = field(default=False, repr=False)
 
     def wait(self) -> None:
         """Sleep until the booked start, plus any pause that was ordered meanwhile."""
@@ -159,34 +159,25 @@ class Grant:
         """`wait` on an event loop."""
         await self._limiter._drive_async(self._limiter._wait_for_start(self))
 
-    def settle(self, actual_tokens: float) -> None:
-        """Record the call's real token usage; ``finish`` reconciles it with the estimate."""
-        self._used_tokens = actual_tokens
+    def release(self, feedback: Feedback) -> Reading:
+        """End the call in one round trip: reconcile its booked tokens with those `feedback`
+        reports, learn from its reply (see `Limiter._finish`), release the lease. `feedback`
+        is what the backend's kind read from the reply (`BackendClient.feedback`), or
+        `NO_FEEDBACK` for a call not made. A grant released before stays released."""
+        return self._limiter._drive(self._release(feedback, self._limiter.finish_delay_s))
 
-    def finish(self, status_code: int | None = None, headers: Mapping[str, str] | None = None,
-               timed_out: bool = False) -> Reading:
-        """One round trip: reconcile tokens, learn from the HTTP reply, release the lease."""
-        return self.learn(Feedback.from_http(status_code, headers, timed_out,
-                                             self._limiter.max_pause_s))
-
-    def learn(self, feedback: Feedback) -> Reading:
-        """`finish` with what a backend's kind read from its reply (`BackendClient.feedback`):
-        the tokens it reports settle the call's booking."""
-        return self._limiter._drive(self._learn(feedback, self._limiter.finish_delay_s))
-
-    async def learn_async(self, feedback: Feedback) -> Reading:
-        """`learn` on the call loop: a success waits up to LOOP_FINISH_DELAY_S to be sent
+    async def release_async(self, feedback: Feedback) -> Reading:
+        """`release` on the call loop: a success waits up to LOOP_FINISH_DELAY_S to be sent
         with others (one script for many calls)."""
         limiter = self._limiter
-        return await limiter._learn_async(self._learn(feedback, limiter.loop_finish_delay_s))
+        return await limiter._finish_async(self._release(feedback, limiter.loop_finish_delay_s))
 
-    def _learn(self, feedback: Feedback, delay_s: float) -> _Steps[Reading]:
-        if self.finished:
+    def _release(self, feedback: Feedback, delay_s: float) -> _Steps[Reading]:
+        if self.released:
             return Reading()
-        self.finished = True
-        used = self._used_tokens if feedback.tokens is None else feedback.tokens
-        refund = 0.0 if used is None else self.tokens - used
-        return (yield from self._limiter._finish([self.holder], feedback, refund, delay_s))
+        self.released = True
+        refund = 0.0 if feedback.tokens is None else self.tokens - feedback.tokens
+        return (yield from self._limiter._finish(self.holder, feedback, refund, delay_s))
 
 
 class Limiter:
@@ -208,8 +199,9 @@ class Limiter:
     >>> import fakeredis
     >>> limiter = Limiter(fakeredis.FakeRedis(), "judge-a", rpm=600, tpm=60_000, max_concurrent=4)
     >>> with limiter.acquire(tokens=estimate_tokens("Is 2+2=4? Answer yes or no.", 16)) as grant:
-    ...     grant.settle(actual_tokens=20)  # after the call: its real usage
-    ...     grant.finish(200, {"x-ratelimit-remaining-requests": "99"})
+    ...     # after the call: what its reply taught, its real usage among it
+    ...     reply = Feedback.from_http(200, {"x-ratelimit-remaining-requests": "99"}, tokens=20)
+    ...     reading = grant.release(reply)
     >>> limiter.status()["leases_in_use"], limiter.status()["adaptive_limit"]
     (0, 4)
     """
@@ -261,23 +253,24 @@ class Limiter:
         """Hold a lease and the costs (1 request, ``tokens``) for the ``with`` block.
 
         Sleeps the granted wait first; polls (with jitter) while no lease is free. Raises
-        `LimiterBusy` when the call could not start within ``max_wait_s``. The lease is released
-        by ``grant.finish(...)`` or, at the latest, when the block ends.
+        `LimiterBusy` when the call could not start within ``max_wait_s``. The block ends the
+        call with ``grant.release(feedback)``; a block left without it (an exception) releases
+        the lease with nothing learned.
         """
         (grant,) = self.reserve(1, tokens, max_wait_s)
         try:
             grant.wait()
             yield grant
         finally:
-            grant.finish()
+            grant.release(NO_FEEDBACK)
 
     def reserve(self, count: int, tokens: float = 0, max_wait_s: float = 30.0) -> list[Grant]:
         """Book up to ``count`` calls of ``tokens`` each in one round trip; at least one.
 
         Fewer come back when leases run out. Each grant must be waited (``grant.wait()``) and
-        finished (``grant.finish(...)``). While no lease is free it blocks until one is released
-        by any process (finish.lua announces each release); raises `LimiterBusy` when not even
-        one call could start within ``max_wait_s``.
+        released (``grant.release(feedback)``). While no lease is free it blocks until one is
+        released by any process (finish.lua announces each release); raises `LimiterBusy` when
+        not even one call could start within ``max_wait_s``.
         """
         # leases this process released are free before it books more
         return self._drive(self._reserve(count, tokens, max_wait_s, flush_first=True))
@@ -311,21 +304,7 @@ class Limiter:
             # waiter in another process takes a freed lease within a round trip, not a poll later
             yield _Block(wait_s * random.uniform(0.5, 1.5))
 
-    def feedback(self, status_code: int | None, headers: Mapping[str, str] | None = None,
-                 timed_out: bool = False) -> Reading:
-        """Teach the limiter what the backend answered, outside a grant (see `Grant.finish`)."""
-        return self.learn(Feedback.from_http(status_code, headers, timed_out, self.max_pause_s))
-
-    def learn(self, feedback: Feedback) -> Reading:
-        """`feedback` with what a backend's kind read from its reply (see `Grant.learn`)."""
-        return self._drive(self._finish([], feedback, 0.0, self.finish_delay_s))
-
-    async def learn_async(self, feedback: Feedback) -> Reading:
-        """`learn` on the call loop."""
-        return await self._learn_async(
-            self._finish([], feedback, 0.0, self.loop_finish_delay_s))
-
-    async def _learn_async(self, steps: _Steps[Reading]) -> Reading:
+    async def _finish_async(self, steps: _Steps[Reading]) -> Reading:
         reading = await self._drive_async(steps)
         if self._pending and not self._flush_scheduled:  # successes held back: sent soon
             self._flush_scheduled = True
@@ -380,7 +359,7 @@ class Limiter:
     def loop_finish_delay_s(self) -> float:
         return max(self.finish_delay_s, LOOP_FINISH_DELAY_S)
 
-    def _finish(self, holders: list[str], feedback: Feedback, refund: float,
+    def _finish(self, holder: str, feedback: Feedback, refund: float,
                 delay_s: float) -> _Steps[Reading]:
         """A 429 of an exhausted rate pauses the backend for everyone for Retry-After (else the
         reset of the exhausted limit; without either, no one: each call backs off with
@@ -409,9 +388,7 @@ class Limiter:
             "rpm": (h.remaining_requests, h.limit_requests, h.reset_requests_s, 0.0),
             "tpm": (h.remaining_tokens, h.limit_tokens, h.reset_tokens_s, refund),
         }
-        call: dict[str, Any] = {"event": event, "told": {}}
-        if holders:
-            call["holder"] = holders[0]
+        call: dict[str, Any] = {"holder": holder, "event": event, "told": {}}
         for lim in self._limits:
             remaining, per_min, reset_s, lim_refund = told[lim["name"]]
             entry = {name: value for name, value in (
@@ -420,8 +397,6 @@ class Limiter:
             ) if value is not None and (value or name != "refund")}
             if entry:
                 call["told"][lim["name"]] = entry
-        if not (holders or event or call["told"] or pause_s):  # nothing to learn or release
-            return Reading()
         with self._lock:
             self._pending.append(call)
             due = (event != "ok" or not delay_s or len(self._pending) >= MAX_PENDING

@@ -241,3 +241,6 @@ class Feedback:
             told=RateLimitHeaders.from_headers(headers, max_pause_s=max_pause_s),
             tokens=tokens,
         )
+
+
+NO_FEEDBACK = Feedback()  # a call not made (or whose reply another call's grant learnt)

@@ -2,7 +2,7 @@
 
 breaker    refuses while the backend's circuit is open (a sibling backend may take the work)
 limiter    the call's grant (booked here unless the runner booked it) and its wait; after the
-           call it learns from the reply (`_learn`), which may make a 429 flow control
+           call it is released with what the reply taught (which may make a 429 flow control)
 clearance  no call for a batch nobody waits for (Cancelled) or past the budget (BudgetExceeded)
 transport  the backend client's call (HTTP or a function; the client parses the reply into
            scores), timed, its tokens added to the spend
@@ -27,14 +27,13 @@ from ..errors import (
 )
 from ..flow.breaker import CircuitBreaker
 from ..flow.limiter import Grant, Limiter, Reading
-from ..flow.ratelimit_headers import Feedback
+from ..flow.ratelimit_headers import NO_FEEDBACK, Feedback
 from ..flow.spend import Booking, Ledger, Usage
 from ..message import DEFAULT_JOB
 from ..ops import metrics
 
 MAX_LIMITER_WAIT_S = 30.0
 HEDGE_LIMITER_WAIT_S = 1.0  # a hedge that cannot start this soon is not worth it
-NO_FEEDBACK = Feedback()
 
 
 class CallPath:
@@ -82,11 +81,7 @@ class CallPath:
             self._no_reply(batch, grant, booking)
             raise
         feedback = self._replied(batch, booking, result, started)
-        reading = Reading()
-        if grant is not None:
-            reading = grant.learn(feedback)
-        elif self.limiter is not None:
-            reading = self.limiter.learn(feedback)
+        reading = grant.release(feedback) if grant is not None else Reading()
         return self._concluded(result, reading)
 
     async def call_async(self, batch: list[dict], grant: Grant | None) -> Call:
@@ -106,11 +101,7 @@ class CallPath:
         feedback = self._replied(batch, booking, result, started)
         if hedged:  # the hedge's own grant learnt its reply; this one only goes back
             feedback = NO_FEEDBACK
-        reading = Reading()
-        if grant is not None:
-            reading = await grant.learn_async(feedback)
-        elif self.limiter is not None:
-            reading = await self.limiter.learn_async(feedback)
+        reading = await grant.release_async(feedback) if grant is not None else Reading()
         return self._concluded(result, reading)
 
     # -- hedge -----------------------------------------------------------------------------
@@ -170,10 +161,11 @@ class CallPath:
                 result = await _answer(self.client, batch)
         except BaseException:  # the first call answered: this one is abandoned
             if grant is not None:
-                await grant.learn_async(NO_FEEDBACK)
+                await grant.release_async(NO_FEEDBACK)
             raise
         if grant is not None:
-            await grant.learn_async(NO_FEEDBACK if result is None else self.client.feedback(result))
+            await grant.release_async(
+                NO_FEEDBACK if result is None else self.client.feedback(result))
         return result
 
     # -- breaker ---------------------------------------------------------------------------
@@ -181,7 +173,7 @@ class CallPath:
     def _breaker_admits(self, grant: Grant | None) -> None:
         if self.may_refuse and self.breaker is not None and not self.breaker.allow():
             if grant is not None:
-                grant.finish()
+                grant.release(NO_FEEDBACK)
             raise TransientError(f"circuit open: backend {self.config.name!r} is cooling down")
 
     # -- limiter ---------------------------------------------------------------------------
@@ -208,7 +200,7 @@ class CallPath:
             yield
         except BaseException as exc:
             if grant is not None:
-                grant.finish()
+                grant.release(NO_FEEDBACK)
             if self.breaker is not None and isinstance(exc, ScoringError):
                 self.breaker.release_probe()
             raise
@@ -236,7 +228,7 @@ class CallPath:
         its lease back."""
         self._spent(batch, None, booking, replied=False)
         if grant is not None:
-            grant.finish()
+            grant.release(NO_FEEDBACK)
 
     def _replied(self, batch: list[dict], booking: Booking | None, result: Call | ScoringError,
                  started: float) -> Feedback:

@@ -27,6 +27,7 @@ from ..errors import (
 )
 from ..flow.breaker import CircuitBreaker
 from ..flow.limiter import Grant, Limiter
+from ..flow.ratelimit_headers import NO_FEEDBACK
 from ..flow.spend import Ledger
 from ..message import DEFAULT_JOB
 from ..samples import Outcome
@@ -188,7 +189,7 @@ class ChunkRunner:
         try:
             if self._halted():
                 if grant is not None:
-                    grant.finish()
+                    grant.release(NO_FEEDBACK)
                 return
             started = time.monotonic()
             try:

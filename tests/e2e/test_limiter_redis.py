@@ -19,9 +19,10 @@ import pytest
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from support import free_port
+from support import call, free_port, reply
 
 from qreward_queue.flow.limiter import Limiter, LimiterBusy
+from qreward_queue.flow.ratelimit_headers import NO_FEEDBACK
 
 SPAWN = mp.get_context("spawn")
 
@@ -109,10 +110,11 @@ def test_skewed_clocks_share_one_rate(redis_url: str) -> None:
 def test_429_pauses_every_process(redis_url: str) -> None:
     pause: dict[str, float] = {}
 
-    def send_429() -> None:
+    def send_429() -> None:  # a call of a third worker that comes back 429 after 1.5 s
         limiter = Limiter(redis.Redis.from_url(redis_url), "pause", rpm=600)
+        (grant,) = limiter.reserve(1)
         time.sleep(1.5)
-        limiter.feedback(429, {"Retry-After": "2"})
+        reply(grant, 429, {"Retry-After": "2"})
         pause["at"] = time.time()  # the pause is in force from here (at the latest)
 
     per_proc = hammer(redis_url, "pause", {"rpm": 600}, duration_s=5, skews=[0, 0],
@@ -130,8 +132,8 @@ def test_header_sync_lowers_level_and_rate(redis_url: str) -> None:
     # Given a config of rpm 6000 while the server enforces 3000
     limiter = Limiter(redis.Redis.from_url(redis_url), "sync", rpm=6000)
     for _ in range(3):  # a lower limit is believed once three replies agree
-        limiter.feedback(200, {"x-ratelimit-limit-requests": "3000",
-                               "x-ratelimit-remaining-requests": "0"})
+        call(limiter, 200, {"x-ratelimit-limit-requests": "3000",
+                            "x-ratelimit-remaining-requests": "0"})
     rpm = limiter.status()["limits"]["rpm"]
     assert rpm["per_minute"] == pytest.approx(3000, rel=0.01)
     assert rpm["level"] == pytest.approx(0, abs=1)
@@ -147,7 +149,7 @@ def test_weighted_and_fractional_costs(redis_client: redis.Redis) -> None:
     grants = limiter.reserve(4, tokens=2.5)  # booked in one round trip
     assert [g.wait_s for g in grants] == [0, 0, 0, 0]
     for grant in grants:
-        grant.finish()
+        grant.release(NO_FEEDBACK)
     assert limiter.status()["limits"]["tpm"]["level"] == pytest.approx(0, abs=0.1)
     started = time.monotonic()
     with limiter.acquire(tokens=0.25) as grant:  # a quarter token needs 25 ms
@@ -240,7 +242,7 @@ def test_a_lease_released_in_one_process_wakes_a_waiter_in_another(
     thread.start()
     assert blocking.wait(10)
     # When the first finishes its call, the second gets the lease at once, not a poll later
-    held.finish(200)
+    reply(held, 200)
     assert granted.wait(5)
     thread.join(5)
 
@@ -270,10 +272,10 @@ def test_aimd_shared_by_limiters(redis_url: str) -> None:
     a, b = (Limiter(redis.Redis.from_url(redis_url), "aimd", max_concurrent=16,
                     aimd_cooldown_s=1.0) for _ in range(2))
     for limiter in (a, b, a, b):  # a burst of 429s from two workers: one decrease
-        limiter.feedback(429, {"retry-after": "0"})
+        call(limiter, 429, {"retry-after": "0"})
     assert b.status()["adaptive_limit"] == 8
     time.sleep(1.05)
-    a.feedback(429, {"retry-after": "0"})
+    call(a, 429, {"retry-after": "0"})
     assert b.status()["adaptive_limit"] == 4
     # the lowered limit caps the leases of every limiter
     with a.acquire(), a.acquire(), b.acquire(), b.acquire():
@@ -282,7 +284,7 @@ def test_aimd_shared_by_limiters(redis_url: str) -> None:
             pass
     time.sleep(1.05)  # no growth while cooling down from the cut
     for _ in range(4 + 5):  # `limit` successes add one: 4 -> 5 -> 6
-        (a if random.random() < 0.5 else b).feedback(200, None)
+        call(a if random.random() < 0.5 else b, 200)
     assert a.status()["adaptive_limit"] == 6
 
 

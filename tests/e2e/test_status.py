@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from support import ROOT, judge_backend, write_config
+from support import ROOT, judge_backend, reply, write_config
 
 import qreward_queue as qrq
 from qreward_queue.broker.app import QrqCelery
@@ -23,10 +23,10 @@ def test_status_reports_what_the_limiter_and_queue_hold(tmp_path, redis_url):
     )
     app = QrqCelery(qrq.load_config(config_path))
     limiter = app.flow.limiter("ja")
-    with limiter.acquire(tokens=10):
+    with limiter.acquire(tokens=10) as grant:
         (row,) = backend_rows(app)
         assert row["leases_in_use"] == 1
-    limiter.feedback(429, {"retry-after": "1"})
+        reply(grant, 429, {"retry-after": "1"})
     # Given three queued tasks of 3 samples each (as a publisher counts them) and a 429, when
     # the status is read
     app.send_task("qrq.score_chunk", kwargs={}, queue="qrq.ja", priority=6)

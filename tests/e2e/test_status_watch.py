@@ -10,7 +10,7 @@ import sys
 import uuid
 
 import pytest
-from support import ROOT, judge_backend, wait_for, write_config
+from support import ROOT, call, judge_backend, wait_for, write_config
 
 import qreward_queue as qrq
 from qreward_queue.broker.app import QrqCelery
@@ -69,7 +69,7 @@ def test_watch_redraws_queue_by_priority_limits_and_eta(tmp_path, redis_url):
         # When two more validation tasks arrive and a 429 is reported, the screen follows
         queue(0)
         queue(0)
-        app.flow.limiter("ja").feedback(429, {"retry-after": "30"})
+        call(app.flow.limiter("ja"), 429, {"retry-after": "30"})
         text = wait_for(lambda: (r := row_of(screen(session), "ja")) and r[2] == "120" and r,
                         30, "the redrawn row")
         assert text[3] == "0.0"  # samples scored per second since the last redraw

@@ -1,11 +1,11 @@
 -- finish.lua: everything after one or more calls, in one round trip: reconcile the booked
 -- token estimates, apply what the backend answered (header sync, a 429 pause, the AIMD
--- controller) and release the calls' leases. Also used without a lease for plain feedback.
+-- controller) and release the calls' leases.
 -- KEYS[1] bucket hash, KEYS[2] leases zset, KEYS[3] aimd hash, KEYS[4] recent-429 counter,
 -- KEYS[5] released list (one entry per lease released under max_concurrent: wakes a waiter)
--- args: calls: [{holder (absent: no lease), event, told: {<limit name>: {refund (booked minus
---   used; < 0 charges an overrun), remaining, limit_rate (per ms), reset_ms}}}] in the order
---   they ended (the header fields are absent when a reply did not carry them); an event is
+-- args: calls: [{holder, event, told: {<limit name>: {refund (booked minus used; < 0 charges
+--   an overrun), remaining, limit_rate (per ms), reset_ms}}}] in the order they ended (the
+--   header fields are absent when a reply did not carry them); an event is
 --   'ok' | 'exhausted' (a 429, rate used up) | 'congested' (a 429 with rate left: too many in
 --   flight) | '429' (a 429 saying neither) | 'timeout' | '';
 --   limits: [{name, cap, rate}], max_concurrent (0 = no AIMD), aimd_cooldown_ms,
@@ -32,9 +32,7 @@ local keep = tonumber(h.keep_until) or 0
 local set = {}
 
 local holders = {}
-for _, c in ipairs(args.calls) do
-  if c.holder then holders[#holders + 1] = c.holder end
-end
+for _, c in ipairs(args.calls) do holders[#holders + 1] = c.holder end
 if #holders > 0 then
   local released = redis.call('ZREM', KEYS[2], unpack(holders))
   if released > 0 and args.max_concurrent > 0 then

@@ -15,10 +15,16 @@ from types import SimpleNamespace
 import fakeredis
 import pytest
 import redis
+from support import call, reply
 
 import qreward_queue.flow.limiter as limiter_module
 from qreward_queue.flow.limiter import Limiter, LimiterBusy, Reading, estimate_tokens
-from qreward_queue.flow.ratelimit_headers import RateLimitHeaders, parse_duration, parse_retry_after
+from qreward_queue.flow.ratelimit_headers import (
+    NO_FEEDBACK,
+    RateLimitHeaders,
+    parse_duration,
+    parse_retry_after,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -105,9 +111,10 @@ def test_estimate_tokens() -> None:
 def test_keys_share_one_hash_tag(fake: fakeredis.FakeRedis) -> None:
     limiter = Limiter(fake, "judge-a", rpm=600, max_concurrent=2)
     with limiter.acquire():
-        limiter.feedback(429, None)
+        call(limiter, 429)  # another call, refused: its lease released, announced
         assert set(fake.keys()) == {b"qrq:{judge-a}:bucket", b"qrq:{judge-a}:leases",
-                                    b"qrq:{judge-a}:aimd", b"qrq:{judge-a}:recent429"}
+                                    b"qrq:{judge-a}:aimd", b"qrq:{judge-a}:recent429",
+                                    b"qrq:{judge-a}:released"}
     assert fake.zcard("qrq:{judge-a}:leases") == 0
 
 
@@ -123,7 +130,7 @@ def test_burst_then_steady_rate(fake: fakeredis.FakeRedis, sleeps: list[float]) 
     now = time.time()  # fakeredis's TIME is this clock
     assert now + book(limiter) == pytest.approx(now + 0.4, abs=0.03)
     for g in grants:
-        g.finish()
+        g.release(NO_FEEDBACK)
     assert fake.zcard("qrq:{b}:leases") == 0
 
 
@@ -179,26 +186,27 @@ def test_a_tpm_wait_does_not_let_rpm_burst(fake: fakeredis.FakeRedis, sleeps: li
     assert starts[-1] - starts[0] == pytest.approx((31 - 10) / 10, abs=0.1)
 
 
-def test_settle_refunds_and_charges(fake: fakeredis.FakeRedis, sleeps: list[float]) -> None:
+def test_reported_usage_refunds_and_charges(fake: fakeredis.FakeRedis,
+                                           sleeps: list[float]) -> None:
     limiter = Limiter(fake, "b", rpm=600, tpm=60_000)
     with limiter.acquire(tokens=800) as grant:
-        grant.settle(actual_tokens=300)  # refund 500, booked with the finish
+        reply(grant, 200, tokens=300)  # refund 500, booked with the release
     level = limiter.status()["limits"]["tpm"]["level"]
     assert level == pytest.approx(700, abs=100)  # refilled meanwhile at 1 token/ms
     with limiter.acquire(tokens=300) as grant:
-        grant.settle(actual_tokens=2300)  # an overrun is charged: -2000
+        reply(grant, 200, tokens=2300)  # an overrun is charged: -2000
     assert limiter.status()["limits"]["tpm"]["level"] == pytest.approx(700 - 300 - 2000, abs=250)
     assert limiter.status()["limits"]["rpm"]["level"] == pytest.approx(8, abs=0.5)
 
 
-def test_settle_is_capped_and_noop_without_tpm(fake: fakeredis.FakeRedis) -> None:
+def test_reported_usage_is_capped_and_noop_without_tpm(fake: fakeredis.FakeRedis) -> None:
     limiter = Limiter(fake, "b", tpm=60_000)
     with limiter.acquire(tokens=10) as grant:
-        grant.settle(actual_tokens=-5000)
+        reply(grant, 200, tokens=-5000)
     assert limiter.status()["limits"]["tpm"]["level"] == 1000
     rpm_only = Limiter(fake, "c", rpm=60)
     with rpm_only.acquire(tokens=10) as grant:
-        grant.settle(actual_tokens=99999)
+        reply(grant, 200, tokens=99999)
     assert rpm_only.status()["limits"]["rpm"]["level"] == pytest.approx(0, abs=0.05)
 
 
@@ -232,16 +240,16 @@ def test_a_release_is_announced_to_waiters_and_stale_news_dropped(
     limiter = Limiter(fake, "b", max_concurrent=2)
     released = "qrq:{b}:released"
     first, second = limiter.reserve(2)
-    first.finish(200)
+    reply(first, 200)
     assert fake.llen(released) == 1  # a waiter anywhere wakes on it
     (third,) = limiter.reserve(1)  # takes the freed lease: no lease left, the news is stale
     assert fake.llen(released) == 0
-    second.finish(200)
-    third.finish(200)
+    reply(second, 200)
+    reply(third, 200)
     assert fake.llen(released) == 2
     assert 0 < fake.pttl(released) <= 1000
     no_cap = Limiter(fake, "n")  # no max_concurrent: nobody waits for a lease, nothing said
-    no_cap.reserve(1)[0].finish(200)
+    call(no_cap, 200)
     assert not fake.exists("qrq:{n}:released")
 
 
@@ -271,14 +279,16 @@ def test_429_pauses_new_and_booked_requests(
     limiter = Limiter(fake, "b", rpm=600)  # capacity 10
     slept: list[float] = []
 
-    def sleep(seconds: float) -> None:  # another worker gets a 429 while this one sleeps
+    def sleep(seconds: float) -> None:  # another call gets a 429 while this one sleeps
         if not slept:
-            limiter.feedback(429, {"Retry-After": "2"})
+            reply(in_flight, 429, {"Retry-After": "2"})
         slept.append(seconds)
 
     burst_at = time.time()  # fakeredis's TIME is this clock: the bucket refills meanwhile
-    for grant in limiter.reserve(10):  # the burst, booked at once
-        grant.finish()
+    burst = limiter.reserve(10)  # the burst, booked at once; one of its calls still in flight
+    in_flight = burst.pop()
+    for grant in burst:
+        grant.release(NO_FEEDBACK)
     fake_time = SimpleNamespace(sleep=sleep, monotonic=time.monotonic, time=time.time)
     monkeypatch.setattr(limiter_module, "time", fake_time)
     # Given a request booked 100 ms after the burst, when the 429 comes during its wait,
@@ -296,11 +306,12 @@ def test_429_pauses_new_and_booked_requests(
 
 def test_a_burst_of_429s_pauses_once(fake: fakeredis.FakeRedis, sleeps: list[float]) -> None:
     limiter = Limiter(fake, "b", rpm=600)
-    for _ in range(5):  # five calls in flight all come back 429
-        limiter.feedback(429, {"Retry-After": "2"})
+    *five, sixth = limiter.reserve(6)  # six calls in flight
+    for grant in five:  # five of them all come back 429
+        reply(grant, 429, {"Retry-After": "2"})
     assert limiter.status()["paused_for_s"] == pytest.approx(2.0, abs=0.05)
     assert book(limiter) == pytest.approx(2.0 + 0.1, abs=0.05)
-    limiter.feedback(429, {"Retry-After": "3"})  # a longer one extends the pause
+    reply(sixth, 429, {"Retry-After": "3"})  # a longer one extends the pause
     assert limiter.status()["paused_for_s"] == pytest.approx(3.0, abs=0.05)
     assert book(limiter) == pytest.approx(3.0 + 0.2, abs=0.05)
 
@@ -313,7 +324,7 @@ def test_a_burst_of_429s_pauses_once(fake: fakeredis.FakeRedis, sleeps: list[flo
 ])
 def test_429_pause_length(fake: fakeredis.FakeRedis, headers: dict, pause: float) -> None:
     limiter = Limiter(fake, "b", rpm=600, tpm=60_000)
-    limiter.feedback(429, headers)
+    call(limiter, 429, headers)
     assert limiter.status()["paused_for_s"] == pytest.approx(pause, abs=0.05)
 
 
@@ -327,7 +338,7 @@ def test_429_pauses_a_backend_without_rate_limits(
     fake: fakeredis.FakeRedis, sleeps: list[float]
 ) -> None:
     limiter = Limiter(fake, "b", max_concurrent=4)
-    limiter.feedback(429, {"retry-after": "1"})
+    call(limiter, 429, {"retry-after": "1"})
     with limiter.acquire() as grant:
         assert grant.wait_s == pytest.approx(1.0, abs=0.02)
     with pytest.raises(LimiterBusy) as busy, limiter.acquire(max_wait_s=0.5):
@@ -337,9 +348,9 @@ def test_429_pauses_a_backend_without_rate_limits(
 
 def test_remaining_header_lowers_the_level(fake: fakeredis.FakeRedis, sleeps: list[float]) -> None:
     limiter = Limiter(fake, "b", rpm=600, tpm=60_000)
-    limiter.feedback(200, {"x-ratelimit-remaining-requests": "3",
-                           "x-ratelimit-remaining-tokens": "900000",
-                           "x-ratelimit-reset-tokens": "6m0s"})
+    call(limiter, 200, {"x-ratelimit-remaining-requests": "3",
+                        "x-ratelimit-remaining-tokens": "900000",
+                        "x-ratelimit-reset-tokens": "6m0s"})
     status = limiter.status()["limits"]
     assert status["rpm"]["level"] == pytest.approx(3, abs=0.1)
     assert status["tpm"]["level"] == 1000  # a higher remaining changes nothing
@@ -352,7 +363,7 @@ def test_a_lower_limit_header_is_believed_from_three_replies_until_it_rises(
 ) -> None:
     limiter = Limiter(fake, "b", rpm=6000)
     for told in ("1", "3000", "2000"):  # one reply's word changes nothing...
-        limiter.feedback(200, {"x-ratelimit-limit-requests": told})
+        call(limiter, 200, {"x-ratelimit-limit-requests": told})
         rpm = limiter.status()["limits"]["rpm"]
         if told != "2000":
             assert rpm["per_minute"] == 6000 and not rpm["learned"]["believed"], rpm
@@ -361,14 +372,14 @@ def test_a_lower_limit_header_is_believed_from_three_replies_until_it_rises(
         (3000, 50, 6000), rel=0.01)  # (relaxing back from the moment it was believed)
     assert rpm["learned"] == {"believed": True, "told_per_minute": 3000, "by": "agreeing replies",
                               "age_s": pytest.approx(0, abs=0.5), "replies": 3}
-    limiter.feedback(200, {"x-ratelimit-limit-requests": "9000"})  # never above the config
+    call(limiter, 200, {"x-ratelimit-limit-requests": "9000"})  # never above the config
     rpm = limiter.status()["limits"]["rpm"]
     assert rpm["per_minute"] == 6000 and rpm["learned"] is None
 
 
 def test_a_429_saying_a_lower_limit_is_believed_at_once(fake: fakeredis.FakeRedis) -> None:
     limiter = Limiter(fake, "b", rpm=6000)
-    limiter.feedback(429, {"x-ratelimit-limit-requests": "600"})
+    call(limiter, 429, {"x-ratelimit-limit-requests": "600"})
     rpm = limiter.status()["limits"]["rpm"]
     assert rpm["per_minute"] == pytest.approx(600, rel=0.01) and rpm["learned"]["by"] == "a 429"
 
@@ -376,11 +387,11 @@ def test_a_429_saying_a_lower_limit_is_believed_at_once(fake: fakeredis.FakeRedi
 def test_a_believed_lower_limit_relaxes_back_unless_confirmed(fake: fakeredis.FakeRedis) -> None:
     limiter = Limiter(fake, "b", rpm=6000, learned_relax_s=0.5)
     for _ in range(3):
-        limiter.feedback(200, {"x-ratelimit-limit-requests": "600"})
+        call(limiter, 200, {"x-ratelimit-limit-requests": "600"})
     assert limiter.status()["limits"]["rpm"]["per_minute"] == pytest.approx(600, rel=0.1)
     time.sleep(1.0)  # two doublings: 600 -> 2400
     assert limiter.status()["limits"]["rpm"]["per_minute"] == pytest.approx(2400, rel=0.15)
-    limiter.feedback(200, {"x-ratelimit-limit-requests": "600"})  # confirmed again: back down
+    call(limiter, 200, {"x-ratelimit-limit-requests": "600"})  # confirmed again: back down
     assert limiter.status()["limits"]["rpm"]["per_minute"] == pytest.approx(600, rel=0.1)
     time.sleep(2.0)  # unconfirmed for long: the configured limit again
     assert limiter.status()["limits"]["rpm"]["per_minute"] == 6000
@@ -389,19 +400,19 @@ def test_a_believed_lower_limit_relaxes_back_unless_confirmed(fake: fakeredis.Fa
 def test_aimd_halves_once_per_cooldown_and_recovers(fake: fakeredis.FakeRedis) -> None:
     limiter = Limiter(fake, "b", max_concurrent=16, aimd_cooldown_s=1.0)
     for _ in range(5):  # one burst of 429s halves once
-        limiter.feedback(429, {"retry-after": "0"})
+        call(limiter, 429, {"retry-after": "0"})
     assert limiter.status()["adaptive_limit"] == 8
     time.sleep(1.05)
-    limiter.feedback(429, {"retry-after": "0"})
+    call(limiter, 429, {"retry-after": "0"})
     assert limiter.status()["adaptive_limit"] == 4
-    limiter.feedback(200, None)  # no growth while cooling down from the cut
+    call(limiter, 200)  # no growth while cooling down from the cut
     time.sleep(1.05)
     for expected in (5, 6):
         for _ in range(expected - 1):  # `limit` successes add one
-            limiter.feedback(200, None)
+            call(limiter, 200)
         assert limiter.status()["adaptive_limit"] == expected
     for _ in range(1500):  # near the last cut (8) growth is slower; above it fast again
-        limiter.feedback(200, None)
+        call(limiter, 200)
     assert limiter.status()["adaptive_limit"] == 16  # capped at the configured maximum
 
 
@@ -411,15 +422,15 @@ def test_rare_timeouts_are_faults_and_timeouts_that_grow_are_congestion(
     limiter = Limiter(fake, "b", max_concurrent=64, aimd_cooldown_s=0)
     # a steady 0.5% of calls hanging past the timeout: a fault to retry, no cut
     for n in range(1, 2001):
-        limiter.feedback(None, None, timed_out=True) if n % 200 == 0 else \
-            limiter.feedback(200, None)
+        call(limiter, None, timed_out=True) if n % 200 == 0 else \
+            call(limiter, 200)
     status = limiter.status()
     assert status["adaptive_limit"] == 64
     assert "faults, not congestion" in status["adaptive_why"]
     # timeouts on a growing share of calls (an overloaded server): congestion, cut
     for n in range(1, 41):
-        limiter.feedback(None, None, timed_out=True) if n % 4 == 0 else \
-            limiter.feedback(200, None)
+        call(limiter, None, timed_out=True) if n % 4 == 0 else \
+            call(limiter, 200)
     status = limiter.status()
     assert status["adaptive_limit"] < 64
     assert re.fullmatch(r"cut \d+ -> \d+: timeouts on \d+% of recent calls", status["adaptive_why"])
@@ -431,30 +442,30 @@ def test_congestion_429_cuts_concurrency_gently_near_the_last_cut_and_pauses_no_
     limiter = Limiter(fake, "b", rpm=6000, max_concurrent=64, aimd_cooldown_s=0)
     congested = {"retry-after-ms": "200", "x-ratelimit-remaining-requests": "90"}
     # a 429 with requests left: too many in flight, not an exhausted rate
-    assert limiter.feedback(429, congested) == Reading(pause_s=0.0, flow_control=True)
+    assert call(limiter, 429, congested) == Reading(pause_s=0.0, flow_control=True)
     status = limiter.status()
     assert (status["adaptive_limit"], status["paused_for_s"], status["recent_429s"]) == (32, 0, 1)
-    limiter.feedback(429, congested)  # far below the last cut (64): halves again
+    call(limiter, 429, congested)  # far below the last cut (64): halves again
     assert limiter.status()["adaptive_limit"] == 16
     for _ in range(sum(range(16, 28))):  # +1 per `limit` successes up to near the last cut
-        limiter.feedback(200, None)
+        call(limiter, 200)
     assert limiter.status()["adaptive_limit"] == 28
     for _ in range(16 * 28 - 1):  # near the last cut (32) the server's limit is probed slowly
-        limiter.feedback(200, None)
+        call(limiter, 200)
     assert limiter.status()["adaptive_limit"] == 28
-    limiter.feedback(200, None)
+    call(limiter, 200)
     assert limiter.status()["adaptive_limit"] == 29
-    limiter.feedback(429, congested)  # back near the last cut: a gentle cut (10%), no halving
+    call(limiter, 429, congested)  # back near the last cut: a gentle cut (10%), no halving
     assert limiter.status()["adaptive_limit"] == 27
     # an exhausted rate still pauses everyone and leaves the concurrency alone
-    paused = limiter.feedback(429, {"retry-after": "2", "x-ratelimit-remaining-requests": "0"})
+    paused = call(limiter, 429, {"retry-after": "2", "x-ratelimit-remaining-requests": "0"})
     assert paused.pause_s == 2.0 and limiter.status()["adaptive_limit"] == 27
 
 
 def test_aimd_floor_and_lease_cap(fake: fakeredis.FakeRedis, sleeps: list[float]) -> None:
     limiter = Limiter(fake, "b", max_concurrent=3, aimd_cooldown_s=0)
     for _ in range(4):
-        limiter.feedback(429, {"retry-after": "0"})
+        call(limiter, 429, {"retry-after": "0"})
     assert limiter.status()["adaptive_limit"] == 1
     with limiter.acquire(), pytest.raises(LimiterBusy), limiter.acquire(max_wait_s=0.1):
         pass
@@ -462,8 +473,8 @@ def test_aimd_floor_and_lease_cap(fake: fakeredis.FakeRedis, sleeps: list[float]
 
 def test_no_aimd_without_max_concurrent(fake: fakeredis.FakeRedis) -> None:
     limiter = Limiter(fake, "b", rpm=600)
-    limiter.feedback(429, {"retry-after": "0"})
-    limiter.feedback(500, {"x-ratelimit-remaining-requests": "1"})
+    call(limiter, 429, {"retry-after": "0"})
+    call(limiter, 500, {"x-ratelimit-remaining-requests": "1"})
     status = limiter.status()
     assert (status["adaptive_limit"], status["max_concurrent"]) == (None, None)
     assert status["limits"]["rpm"]["level"] == pytest.approx(1, abs=0.1)
@@ -507,11 +518,11 @@ def test_only_429s_the_limiter_acts_on_are_flow_control(fake: fakeredis.FakeRedi
     # a usable Retry-After pauses everyone, a congested 429 cuts the adaptive concurrency: both
     # are the limiter's pace; a bare 429 (nothing usable) and a success are not
     limiter = Limiter(fake, "b", rpm=6000, max_concurrent=64)
-    assert limiter.feedback(429, {"retry-after": "1"}) == Reading(1.0, flow_control=True)
+    assert call(limiter, 429, {"retry-after": "1"}) == Reading(1.0, flow_control=True)
     congested = {"x-ratelimit-remaining-requests": "90"}
-    assert limiter.feedback(429, congested) == Reading(0.0, flow_control=True)
-    assert limiter.feedback(429, {"retry-after": "soon-ish"}) == Reading(0.0, False)
-    assert limiter.feedback(200, None) == Reading()
+    assert call(limiter, 429, congested) == Reading(0.0, flow_control=True)
+    assert call(limiter, 429, {"retry-after": "soon-ish"}) == Reading(0.0, False)
+    assert call(limiter, 200) == Reading()
     # without max_concurrent no cut is made: a congested 429 then paces nothing
     unbounded = Limiter(fake, "c", rpm=6000)
-    assert unbounded.feedback(429, congested) == Reading(0.0, False)
+    assert call(unbounded, 429, congested) == Reading(0.0, False)

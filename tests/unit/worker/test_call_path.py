@@ -27,7 +27,7 @@ from qreward_queue.errors import (
 )
 from qreward_queue.flow.breaker import CircuitBreaker
 from qreward_queue.flow.limiter import Limiter
-from qreward_queue.flow.ratelimit_headers import Feedback
+from qreward_queue.flow.ratelimit_headers import NO_FEEDBACK, Feedback
 from qreward_queue.flow.spend import Ledger, backend_spend, batch_spend
 from qreward_queue.ops import metrics
 from qreward_queue.worker import call_path
@@ -147,7 +147,7 @@ def test_open_breaker_refuses_the_call_and_gives_its_grant_back(store, monkeypat
         path.call(BATCH, grant)
     # Then no call was made, and the grant's lease is free again
     assert client.calls == 0
-    assert grant.finished and leases(limiter) == 0
+    assert grant.released and leases(limiter) == 0
 
 
 def test_open_breaker_lets_the_call_through_when_no_sibling_may_take_it(store, monkeypatch):
@@ -217,7 +217,7 @@ def test_a_call_the_limiter_cannot_start_gives_the_half_open_probe_back(store, m
     assert client.calls == 0
     assert not store.exists(breaker.probe)
     assert breaker.allow()
-    held.finish()
+    held.release(NO_FEEDBACK)
 
 
 # --------------------------------------------------------------------------------------------
