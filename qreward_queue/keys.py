@@ -65,10 +65,22 @@ def batch_sentinel(batch_id: str) -> str:
     return f"{PREFIX}batch:{batch_id}"
 
 
+# A batch's lease: its client sets the key with a TTL of lease_ttl_ms(lease_s) and workers
+# wait LEASE_CONFIRM_S more (a lease a Redis outage let expire is set again at once), so they
+# stop within the configured lease_s of the last renewal.
+LEASE_CONFIRM_S = 2.0  # a worker counts a lapsed lease once it has seen it lapsed this long
+
+
 def lease(batch_id: str) -> str:
     """A batch's lease: `live` while its client renews it (short TTL), then `cancelled` or
     `done`; workers make no call for a batch whose lease says so or lapsed."""
     return f"{PREFIX}lease:{batch_id}"
+
+
+def lease_ttl_ms(lease_s: float) -> int:
+    """The TTL of a live lease's key: the configured lease less the workers' confirmation
+    (LEASE_CONFIRM_S), at least a second."""
+    return int(max(1.0, lease_s - LEASE_CONFIRM_S) * 1000)
 
 
 def records(batch_id: str) -> str:

@@ -5,9 +5,10 @@ renewed by one thread per process (`hold`), then set to `cancelled` (cancel(), a
 wait) or `done` (every outcome in). Workers ask `BatchWatch.stop_reason` before each task and
 each call: a lease saying `cancelled`/`done`, or one that lapsed while the batch's sentinel is
 still there (the client died: kill -9, OOM, a lost node), stops the batch's calls. A lapsed
-lease must be seen lapsed for CONFIRM_S before it counts, so a lease that a Redis outage let
-expire (and that the client sets again at once when Redis is back) stops nothing; the key's
-TTL is the configured lease minus that, so workers stop within `lease_s` of the last renewal.
+lease must be seen lapsed for keys.LEASE_CONFIRM_S before it counts, so a lease that a Redis
+outage let expire (and that the client sets again at once when Redis is back) stops nothing;
+the key's TTL is the configured lease minus that (keys.lease_ttl_ms), so workers stop within
+`lease_s` of the last renewal.
 """
 
 from __future__ import annotations
@@ -22,15 +23,10 @@ import redis
 
 from .. import keys
 
-CONFIRM_S = 2.0  # a lapsed lease counts once seen lapsed this long
 CHECK_EVERY_S = 0.25  # a worker looks at a batch's lease at most this often
 RETRY_S = 0.5  # a renewal that failed (Redis away) is tried again this soon
 LIVE, CANCELLED, DONE = b"live", b"cancelled", b"done"
 _REDIS_DOWN = (redis.RedisError, OSError)
-
-
-def key_ttl_ms(lease_s: float) -> int:
-    return int(max(1.0, lease_s - CONFIRM_S) * 1000)
 
 
 # Renew leases still `live` (or lapsed): one that says `cancelled` or `done` stays so, even
@@ -56,7 +52,7 @@ class _Renewer:
         self._thread: threading.Thread | None = None
 
     def hold(self, store: redis.Redis, batch_id: str, lease_s: float) -> None:
-        ttl_ms = key_ttl_ms(lease_s)
+        ttl_ms = keys.lease_ttl_ms(lease_s)
         store.set(keys.lease(batch_id), LIVE, px=ttl_ms, nx=True)  # nx: a cancel stays
         with self._lock:
             self._held[batch_id] = (store, ttl_ms)
@@ -144,7 +140,7 @@ class BatchWatch:
                 else "the batch already has every outcome"), None
         elif lease is None and sentinel is not None:  # lapsed, while Redis kept its data
             lapsed_since = lapsed_since or now
-            if now - lapsed_since >= CONFIRM_S:
+            if now - lapsed_since >= keys.LEASE_CONFIRM_S:
                 reason = "the caller's lease lapsed (its client stopped renewing it)"
         else:
             reason, lapsed_since = None, None

@@ -186,12 +186,12 @@ class Ledger:
                     if batch_id is not None:
                         targets.append((keys.batch_spend(batch_id), f"{name}:"))
                     pipe.sadd(keys.JOBS, job)
-                    pipe.expire(keys.job_spend(job, hour), HOUR_KEEP_S)
                     for key, prefix in targets:
                         for field, value in zip(FIELDS, values, strict=True):
                             if value:
                                 pipe.hincrby(key, prefix + field, value)
-                    pipe.expire(keys.spend(name, hour), HOUR_KEEP_S)
+                    pipe.expire(keys.spend(name, hour), HOUR_KEEP_S)  # once written: it exists
+                    pipe.expire(keys.job_spend(job, hour), HOUR_KEEP_S)
                     if batch_id is not None:
                         pipe.expire(keys.batch_spend(batch_id), BATCH_KEEP_S)
                 for hour, (tokens, cost) in held.items():  # the bookings these calls held
@@ -214,7 +214,8 @@ def _cap_arg(budget: Budget, name: str) -> str:
     value = getattr(budget, name)
     if value is None:
         return ""
-    return str(int(value * 1_000_000)) if name.startswith("cost") else str(int(value))
+    # round: int() would drop a micro unit where the float is a hair short (0.0157 * 1e6)
+    return str(round(value * 1_000_000)) if name.startswith("cost") else str(int(value))
 
 
 def _shown(name: str, value: float) -> float:

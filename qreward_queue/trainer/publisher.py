@@ -60,7 +60,7 @@ class Publisher:
         """Redis losing its data (a restart without persistence) takes this key with it; the
         lease is set first, so that no worker sees the sentinel without a live lease."""
         assert self.sentinel is not None
-        ttl_ms = lease.key_ttl_ms(self.app.qrq_config.lease_s)
+        ttl_ms = keys.lease_ttl_ms(self.app.qrq_config.lease_s)
         with self.app.store.pipeline(transaction=False) as pipe:  # nx: a cancel stays
             pipe.set(keys.lease(self.batch_id), lease.LIVE, px=ttl_ms, nx=True)
             pipe.set(self.sentinel, 1, px=int(self.keep_s() * 1000))

@@ -68,9 +68,9 @@ def test_hold_sets_a_live_lease_whose_ttl_leaves_room_to_confirm_a_lapse(store, 
     lease.hold(owner, store, "b-hold", LEASE_S)
     # Then its key says live, and lapses within the lease minus the confirmation time
     assert store.get(keys.lease("b-hold")) == lease.LIVE
-    assert 0 < store.pttl(keys.lease("b-hold")) <= lease.key_ttl_ms(LEASE_S)
-    assert lease.key_ttl_ms(LEASE_S) == (LEASE_S - lease.CONFIRM_S) * 1000
-    assert lease.key_ttl_ms(0.5) == 1000  # never below a second
+    assert 0 < store.pttl(keys.lease("b-hold")) <= keys.lease_ttl_ms(LEASE_S)
+    assert keys.lease_ttl_ms(LEASE_S) == (LEASE_S - keys.LEASE_CONFIRM_S) * 1000
+    assert keys.lease_ttl_ms(0.5) == 1000  # never below a second
 
 
 def test_hold_does_not_undo_a_cancel(store, batches):
@@ -191,10 +191,10 @@ def test_a_lapsed_lease_stops_the_calls_once_seen_lapsed_for_confirm_s(store, cl
     watch = lease.BatchWatch(store)
     # When a worker first sees it lapsed, and again a little later, Then the calls go on
     assert watch.stop_reason("b") is None
-    clock.now += lease.CONFIRM_S / 2
+    clock.now += keys.LEASE_CONFIRM_S / 2
     assert watch.stop_reason("b") is None
-    # When it is still lapsed CONFIRM_S after it was first seen so, Then they stop
-    clock.now += lease.CONFIRM_S / 2
+    # When it is still lapsed LEASE_CONFIRM_S after it was first seen so, Then they stop
+    clock.now += keys.LEASE_CONFIRM_S / 2
     assert watch.stop_reason("b") == "the caller's lease lapsed (its client stopped renewing it)"
 
 
@@ -203,25 +203,25 @@ def test_a_lease_set_again_after_a_short_lapse_stops_nothing(store, clock):
     submitted(store, "b", None)
     watch = lease.BatchWatch(store)
     assert watch.stop_reason("b") is None
-    clock.now += lease.CONFIRM_S / 2
+    clock.now += keys.LEASE_CONFIRM_S / 2
     store.set(keys.lease("b"), lease.LIVE)
     assert watch.stop_reason("b") is None
     # When it lapses again, Then its confirmation time starts over
     store.delete(keys.lease("b"))
-    clock.now += lease.CONFIRM_S / 2
+    clock.now += keys.LEASE_CONFIRM_S / 2
     assert watch.stop_reason("b") is None
-    clock.now += lease.CONFIRM_S / 2
+    clock.now += keys.LEASE_CONFIRM_S / 2
     assert watch.stop_reason("b") is None
-    clock.now += lease.CONFIRM_S / 2
+    clock.now += keys.LEASE_CONFIRM_S / 2
     assert watch.stop_reason("b") is not None
 
 
 def test_a_missing_lease_without_its_batch_data_stops_nothing(store, clock):
     # Given a batch whose lease and sentinel are both gone (Redis lost its data)
     watch = lease.BatchWatch(store)
-    # When a worker looks for longer than CONFIRM_S, Then the calls go on
+    # When a worker looks for longer than LEASE_CONFIRM_S, Then the calls go on
     assert watch.stop_reason("b") is None
-    clock.now += 2 * lease.CONFIRM_S
+    clock.now += 2 * keys.LEASE_CONFIRM_S
     assert watch.stop_reason("b") is None
 
 
@@ -255,7 +255,7 @@ def test_with_redis_away_the_last_answer_stands(clock):
     server.connected = False
     with pytest.raises(redis.ConnectionError):
         store.get(keys.lease("on"))
-    clock.now += 2 * lease.CONFIRM_S
+    clock.now += 2 * keys.LEASE_CONFIRM_S
     # Then each keeps its last answer (no stop made up, none forgotten)
     assert watch.stop_reason("gone") == "the batch was cancelled by its caller"
     assert watch.stop_reason("on") is None
