@@ -1,7 +1,8 @@
 """Unit tests of the global limiter on fakeredis, which runs the same Lua (Lua 5.1, TIME).
 
-Waits are read from the grants: the `sleeps` fixture records `time.sleep` instead of sleeping,
-so the booked schedule can be checked exactly and fast. Real timing is in test_limiter_redis.py.
+Time stands still unless a test moves it (`clock`), and the `sleeps` fixture records the
+limiter's sleeps instead of passing them, so the booked schedule can be checked exactly and
+fast, on a busy machine too. Real timing is in test_limiter_redis.py.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 from types import SimpleNamespace
 
 import fakeredis
+import fakeredis.commands_mixins.server_mixin as fake_server
 import pytest
 import redis
 from support import call, reply
@@ -42,14 +44,49 @@ def fake() -> fakeredis.FakeRedis:
     return fakeredis.FakeRedis(server=fakeredis.FakeServer())
 
 
+class Clock:
+    """The tests' time: fakeredis's TIME (what the Lua reads) and the limiter's clocks stand
+    still until a test moves them, so a busy machine cannot move a booked schedule. The
+    limiter's own sleeps pass that much time, or only are recorded (`sleeps`)."""
+
+    def __init__(self) -> None:
+        self.now, self.mono = time.time(), 1000.0
+        self.recorded: list[float] | None = None
+
+    def time(self) -> float:
+        return self.now
+
+    def monotonic(self) -> float:
+        return self.mono
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+        self.mono += seconds
+
+    def sleep(self, seconds: float) -> None:
+        if self.recorded is None:
+            self.advance(seconds)
+        else:
+            self.recorded.append(seconds)
+
+
+@pytest.fixture(autouse=True)
+def clock(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Clock:
+    held = Clock()
+    if request.node.get_closest_marker("real_clock"):  # waits in Redis (BLPOP, key TTLs)
+        return held
+    # only these two modules' clocks: other threads of this process keep the real one
+    monkeypatch.setattr(fake_server, "time", SimpleNamespace(time=held.time))
+    monkeypatch.setattr(limiter_module, "time", SimpleNamespace(
+        sleep=held.sleep, monotonic=held.monotonic, time=held.time))
+    return held
+
+
 @pytest.fixture
-def sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
-    slept: list[float] = []
-    # only the limiter's sleeps: other threads of this process (a worker another test left)
-    # would spin if time.sleep itself were replaced
-    fake_time = SimpleNamespace(sleep=slept.append, monotonic=time.monotonic, time=time.time)
-    monkeypatch.setattr(limiter_module, "time", fake_time)
-    return slept
+def sleeps(clock: Clock) -> list[float]:
+    """The limiter's sleeps, recorded instead of passed."""
+    clock.recorded = []
+    return clock.recorded
 
 
 def book(limiter: Limiter, tokens: float = 0, max_wait_s: float = 60.0) -> float:
@@ -118,7 +155,9 @@ def test_keys_share_one_hash_tag(fake: fakeredis.FakeRedis) -> None:
     assert fake.zcard("qrq:{judge-a}:leases") == 0
 
 
-def test_burst_then_steady_rate(fake: fakeredis.FakeRedis, sleeps: list[float]) -> None:
+def test_burst_then_steady_rate(
+    fake: fakeredis.FakeRedis, sleeps: list[float], clock: Clock
+) -> None:
     # Given rpm 600 (0.01/ms) with 1 s of burst: a full bucket holds 10 requests
     limiter = Limiter(fake, "b", rpm=600)
     # When 13 calls are booked in one round trip
@@ -127,7 +166,7 @@ def test_burst_then_steady_rate(fake: fakeredis.FakeRedis, sleeps: list[float]) 
     assert [g.wait_s for g in grants[:10]] == [0.0] * 10
     assert [g.wait_s for g in grants[10:]] == pytest.approx([0.1, 0.2, 0.3], abs=0.005)
     # And one more, booked later, queues behind all of them (start times, not waits)
-    now = time.time()  # fakeredis's TIME is this clock
+    now = clock.time()  # fakeredis's TIME is this clock
     assert now + book(limiter) == pytest.approx(now + 0.4, abs=0.03)
     for g in grants:
         g.release(NO_FEEDBACK)
@@ -171,12 +210,14 @@ def test_cost_above_capacity_waits_then_others_queue_behind(
     assert small == pytest.approx(big + 0.1, abs=0.02)
 
 
-def test_a_tpm_wait_does_not_let_rpm_burst(fake: fakeredis.FakeRedis, sleeps: list[float]) -> None:
+def test_a_tpm_wait_does_not_let_rpm_burst(
+    fake: fakeredis.FakeRedis, sleeps: list[float], clock: Clock
+) -> None:
     # Given rpm 600 (burst 10) and a big TPM request that makes everyone wait 2 s
     limiter = Limiter(fake, "b", rpm=600, tpm=60_000)
     starts = []
     for tokens in [3000] + [10] * 30:
-        now = time.time()  # start times, not waits: real time passes between the bookings
+        now = clock.time()  # start times, not waits: real time passes between the bookings
         starts.append(now + book(limiter, tokens=tokens))
     starts = [s - starts[0] + 2.0 for s in starts]
     # served in booking order (the client's clock is read just before each booking)
@@ -219,6 +260,7 @@ def test_bucket_expires_once_full_again(fake: fakeredis.FakeRedis) -> None:
 
 # --- leases --------------------------------------------------------------------------------
 
+@pytest.mark.real_clock
 def test_no_free_lease_polls_then_gives_up(fake: fakeredis.FakeRedis,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     limiter = Limiter(fake, "b", max_concurrent=2)
@@ -260,6 +302,7 @@ def test_lease_released_when_the_block_raises(fake: fakeredis.FakeRedis) -> None
     assert limiter.status()["leases_in_use"] == 0
 
 
+@pytest.mark.real_clock
 def test_abandoned_lease_expires_after_ttl(fake: fakeredis.FakeRedis) -> None:
     limiter = Limiter(fake, "b", max_concurrent=1, lease_ttl_s=0.3)
     held = limiter.acquire()
@@ -274,8 +317,7 @@ def test_abandoned_lease_expires_after_ttl(fake: fakeredis.FakeRedis) -> None:
 # --- feedback: pause, header sync, AIMD -------------------------------------------------------
 
 def test_429_pauses_new_and_booked_requests(
-    fake: fakeredis.FakeRedis, monkeypatch: pytest.MonkeyPatch
-) -> None:
+    fake: fakeredis.FakeRedis, monkeypatch: pytest.MonkeyPatch, clock: Clock) -> None:
     limiter = Limiter(fake, "b", rpm=600)  # capacity 10
     slept: list[float] = []
 
@@ -284,16 +326,16 @@ def test_429_pauses_new_and_booked_requests(
             reply(in_flight, 429, {"Retry-After": "2"})
         slept.append(seconds)
 
-    burst_at = time.time()  # fakeredis's TIME is this clock: the bucket refills meanwhile
+    burst_at = clock.time()  # fakeredis's TIME is this clock: the bucket refills meanwhile
     burst = limiter.reserve(10)  # the burst, booked at once; one of its calls still in flight
     in_flight = burst.pop()
     for grant in burst:
         grant.release(NO_FEEDBACK)
-    fake_time = SimpleNamespace(sleep=sleep, monotonic=time.monotonic, time=time.time)
+    fake_time = SimpleNamespace(sleep=sleep, monotonic=clock.monotonic, time=clock.time)
     monkeypatch.setattr(limiter_module, "time", fake_time)
     # Given a request booked 100 ms after the burst, when the 429 comes during its wait,
     # then it sleeps its wait and then the pause on top of it
-    booked_at = time.time()
+    booked_at = clock.time()
     wait = book(limiter)
     assert wait == pytest.approx(0.1 - (booked_at - burst_at), abs=0.02)
     assert slept == pytest.approx([wait, 2.0], abs=0.02)
@@ -384,29 +426,33 @@ def test_a_429_saying_a_lower_limit_is_believed_at_once(fake: fakeredis.FakeRedi
     assert rpm["per_minute"] == pytest.approx(600, rel=0.01) and rpm["learned"]["by"] == "a 429"
 
 
-def test_a_believed_lower_limit_relaxes_back_unless_confirmed(fake: fakeredis.FakeRedis) -> None:
+def test_a_believed_lower_limit_relaxes_back_unless_confirmed(
+    fake: fakeredis.FakeRedis, clock: Clock
+) -> None:
     limiter = Limiter(fake, "b", rpm=6000, learned_relax_s=0.5)
     for _ in range(3):
         call(limiter, 200, {"x-ratelimit-limit-requests": "600"})
     assert limiter.status()["limits"]["rpm"]["per_minute"] == pytest.approx(600, rel=0.1)
-    time.sleep(1.0)  # two doublings: 600 -> 2400
+    clock.advance(1.0)  # two doublings: 600 -> 2400
     assert limiter.status()["limits"]["rpm"]["per_minute"] == pytest.approx(2400, rel=0.15)
     call(limiter, 200, {"x-ratelimit-limit-requests": "600"})  # confirmed again: back down
     assert limiter.status()["limits"]["rpm"]["per_minute"] == pytest.approx(600, rel=0.1)
-    time.sleep(2.0)  # unconfirmed for long: the configured limit again
+    clock.advance(2.0)  # unconfirmed for long: the configured limit again
     assert limiter.status()["limits"]["rpm"]["per_minute"] == 6000
 
 
-def test_aimd_halves_once_per_cooldown_and_recovers(fake: fakeredis.FakeRedis) -> None:
+def test_aimd_halves_once_per_cooldown_and_recovers(
+    fake: fakeredis.FakeRedis, clock: Clock
+) -> None:
     limiter = Limiter(fake, "b", max_concurrent=16, aimd_cooldown_s=1.0)
     for _ in range(5):  # one burst of 429s halves once
         call(limiter, 429, {"retry-after": "0"})
     assert limiter.status()["adaptive_limit"] == 8
-    time.sleep(1.05)
+    clock.advance(1.05)
     call(limiter, 429, {"retry-after": "0"})
     assert limiter.status()["adaptive_limit"] == 4
     call(limiter, 200)  # no growth while cooling down from the cut
-    time.sleep(1.05)
+    clock.advance(1.05)
     for expected in (5, 6):
         for _ in range(expected - 1):  # `limit` successes add one
             call(limiter, 200)
@@ -462,6 +508,7 @@ def test_congestion_429_cuts_concurrency_gently_near_the_last_cut_and_pauses_no_
     assert paused.pause_s == 2.0 and limiter.status()["adaptive_limit"] == 27
 
 
+@pytest.mark.real_clock
 def test_aimd_floor_and_lease_cap(fake: fakeredis.FakeRedis, sleeps: list[float]) -> None:
     limiter = Limiter(fake, "b", max_concurrent=3, aimd_cooldown_s=0)
     for _ in range(4):
@@ -502,6 +549,7 @@ def test_waits_out_a_redis_outage(sleeps: list[float]) -> None:
     assert len(sleeps) == 4 and sleeps == sorted(sleeps)  # growing backoff
 
 
+@pytest.mark.real_clock
 def test_raises_after_outage_wait() -> None:
     client = FlakyRedis(server=fakeredis.FakeServer())
     limiter = Limiter(client, "b", rpm=600, outage_wait_s=0.3)
