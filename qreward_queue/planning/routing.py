@@ -108,26 +108,39 @@ def plan_dealt(config: Config, dealt: dict[str, list[list[int]]]) -> list[Chunk]
     """Chunks of the units dealt to each backend, of its chunk size, interleaved."""
     per_backend = []
     for name, mine in dealt.items():
-        size = chunk_size(config.backend(name), sum(map(len, mine)))
-        per_backend.append([Chunk(name, part) for part in pack(mine, size)])
+        backend = config.backend(name)
+        size = chunk_size(backend, sum(map(len, mine)))
+        # a size the planner chose is a cap: evened out, a batch leaves no short last chunk
+        # (it would take a worker's turn for a few samples, and tip a job's fair share)
+        per_call = 0 if backend.chunk_size else make_backend(backend).samples_per_call
+        per_backend.append([Chunk(name, part) for part in pack(mine, size, per_call)])
     chunks: list[Chunk] = []
     for row in range(max((len(c) for c in per_backend), default=0)):
         chunks.extend(c[row] for c in per_backend if row < len(c))
     return chunks
 
 
-def pack(whole: Sequence[Sequence[_Item]], size: int) -> list[list[_Item]]:
-    """Consecutive units in chunks of at most `size` items (a larger unit: a chunk alone).
+def pack(whole: Sequence[Sequence[_Item]], size: int, per_call: int = 0) -> list[list[_Item]]:
+    """Consecutive units in chunks of at most `size` items (a larger unit: a chunk alone);
+    with `per_call`, evened out: each chunk holds an even part of what is left, in whole calls
+    of `per_call` items (`size` is a multiple), so that no chunk is much shorter than the rest.
 
     >>> pack([[0, 1], [2], [3, 4, 5], [6]], 3)
     [[0, 1, 2], [3, 4, 5], [6]]
+    >>> pack([[i] for i in range(10)], 4), pack([[i] for i in range(10)], 4, per_call=1)
+    ([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]], [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]])
     """
     chunks: list[list[_Item]] = []
+    left, cap = sum(map(len, whole)), size
     for unit in whole:
-        if chunks and len(chunks[-1]) + len(unit) <= size:
+        if chunks and len(chunks[-1]) + len(unit) <= cap:
             chunks[-1].extend(unit)
         else:
+            if per_call and left:  # (only empty units left: any cap)
+                calls, chunks_left = math.ceil(left / per_call), math.ceil(left / size)
+                cap = per_call * math.ceil(calls / chunks_left)
             chunks.append(list(unit))
+        left -= len(unit)
     return chunks
 
 
