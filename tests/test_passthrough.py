@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 
+from qreward_queue.backends import JudgeOptions
 from qreward_queue.backends.judge import JudgeBackend
 from qreward_queue.backends.passthrough import CHAT_REQUEST
 from qreward_queue.backends.transport import Reply
 from qreward_queue.settings import Backend
 
-JUDGE = JudgeBackend(Backend(name="j", kind="judge", url="http://127.0.0.1:1/v1",
-                             model="judge-model", max_tokens=16))
+JUDGE = JudgeBackend(Backend(name="j", kind="judge",
+                             options=JudgeOptions(url="http://127.0.0.1:1/v1", model="judge-model",
+                             max_tokens=16)))
 BODY = {"model": "qrq/route", "messages": [{"role": "user", "content": "x" * 400}],
         "max_tokens": 100, "temperature": 0.5, "logprobs": True}
 CHAT = {"prompt": "", "response": "", "extra": {CHAT_REQUEST: BODY, "request": "r1"}}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from qreward_queue.backends import make_backend
+from qreward_queue.backends import FunctionOptions, make_backend
 from qreward_queue.backends.function_runner import load_function
 from qreward_queue.config import Backend, load_backend
 from qreward_queue.errors import PermanentError
@@ -151,23 +151,17 @@ def test_weighted_sum_of_format_and_math():
 
 
 def test_rewards_through_the_function_backend_with_options():
-    combined = Backend(
-        name="fm",
-        kind="function",
-        function="qreward_queue.rewards.combine:weighted_sum",
-        chunk_size=8,
-        timeout_s=30,
-        options={
-            "parts": [
-                {
-                    "function": "qreward_queue.rewards.format:format_reward",
-                    "weight": 0.5,
-                    "options": {"tags": ["answer"]},
-                },
-                {"function": "qreward_queue.rewards.math:math_reward", "weight": 1.0},
-            ]
+    parts = [
+        {
+            "function": "qreward_queue.rewards.format:format_reward",
+            "weight": 0.5,
+            "options": {"tags": ["answer"]},
         },
-    )
+        {"function": "qreward_queue.rewards.math:math_reward", "weight": 1.0},
+    ]
+    combined = Backend(name="fm", kind="function", chunk_size=8, timeout_s=30,
+                       options=FunctionOptions(function="qreward_queue.rewards.combine:weighted_sum",
+                                               options={"parts": parts}))
     scores = (
         make_backend(combined)
         .call(
@@ -187,8 +181,8 @@ def test_rewards_through_the_function_backend_with_options():
 def test_example_backend_files_load(name):
     backend = load_backend(ROOT / "examples" / "workers" / f"{name}.toml")
     assert backend.name == name and backend.kind == "function"
-    assert load_function(backend.function)
-    for part in backend.options.get("parts", []):
+    assert load_function(backend.options.function)
+    for part in backend.options.options.get("parts", []):
         assert load_function(part["function"])
 
 

@@ -40,6 +40,7 @@ from typing import Any
 
 from ..errors import PermanentError, SampleTimeout, ScoringError
 from ..settings import Backend
+from .function import FunctionOptions
 
 FLUSH_S = 0.02  # a helper sends its results at least this often, so a kill loses little work
 STARTUP_GRACE_S = 30.0  # a new helper's imports before sample 0 are not that sample's time
@@ -151,13 +152,13 @@ class HelperRunner:
             return self.conn
         self.stop()
         parent, child = multiprocessing.Pipe()
-        config, memory = self.config, self.config.pool.memory_limit_mb
+        fn, memory = self.config.options_as(FunctionOptions), self.config.pool.memory_limit_mb
         if threading.active_count() == 1:  # fork is fast and inherits the imported function
-            args = (child, self.slot, config.function, config.options, memory)
+            args = (child, self.slot, fn.function, fn.options, memory)
             self.proc = _Forked(_helper_main, args)
         else:
             setup = {"conn_fd": child.fileno(), "slot_fd": self._slot_fd, "path": sys.path}
-            setup |= {"function": config.function, "options": config.options, "memory": memory}
+            setup |= {"function": fn.function, "options": fn.options, "memory": memory}
             self.proc = _Spawned(setup)
         child.close()
         self.conn, self.chunks = parent, 0

@@ -36,6 +36,7 @@ from typing import Any
 from aiohttp import web
 
 from .. import keys
+from ..backends import make_backend
 from ..backends.passthrough import CHAT_REQUEST
 from ..errors import RedisUnreachable, UnknownRoute
 from ..ops.liveness import live_workers
@@ -167,7 +168,7 @@ def _servable(name: str) -> str | None:
     for backend in map(config.backend, route.backends):
         if backend.kind != "judge":
             return f"backend {backend.name!r} of route {name!r} is a {backend.kind}, not a judge"
-        if backend.mode != "sample":
+        if make_backend(backend).grouped:
             return f"judge {backend.name!r} of route {name!r} judges groups (mode = \"group\")"
     return None
 
