@@ -181,8 +181,9 @@ def test_a_proxy_refusing_the_tunnel_is_one_clear_line(tls_judge, certs):
 
 def anthropic_config(url: str, **fields) -> Backend:
     dialect = DIALECTS["anthropic"]
-    return judge_config(url, dialect="anthropic", auth=dialect.auth, headers=dialect.headers,
-                        api_key_env="QRQ_TEST_ANTHROPIC_KEY", **fields)
+    return judge_config(url, **{"dialect": "anthropic", "auth": dialect.auth,
+                                "headers": dialect.headers,
+                                "api_key_env": "QRQ_TEST_ANTHROPIC_KEY", **fields})
 
 
 def test_the_anthropic_dialect_speaks_the_messages_api(monkeypatch):
@@ -217,7 +218,7 @@ def test_an_anthropic_529_is_flow_control_as_a_429_is(plain_judge, monkeypatch):
 
 def test_the_anthropic_dialect_without_its_key_header_is_refused(plain_judge, monkeypatch):
     monkeypatch.setenv("QRQ_TEST_ANTHROPIC_KEY", "sk-ant-test-key-0123456789")
-    client = make_backend(replace(anthropic_config(plain_judge.url), auth="none"))
+    client = make_backend(anthropic_config(plain_judge.url, auth="none"))
     with pytest.raises(PermanentError, match="request rejected with 401") as caught:
         client.call([SAMPLE])
     assert "authentication_error" in caught.value.detail
