@@ -12,6 +12,7 @@ from qreward_queue.backends import FunctionOptions, make_backend
 from qreward_queue.backends.function_runner import load_function
 from qreward_queue.config import Backend, load_backend
 from qreward_queue.errors import PermanentError
+from qreward_queue.rewards import sandbox
 from qreward_queue.rewards.combine import weighted_sum
 from qreward_queue.rewards.format import format_reward, has_structure, repetition
 from qreward_queue.rewards.math import extract_answer, fast_equal, math_reward
@@ -175,6 +176,20 @@ def test_rewards_through_the_function_backend_with_options():
     )
     assert scores[:2] == [1.5, 0.5]
     assert isinstance(scores[2], PermanentError) and "'reference' is empty" in str(scores[2])
+
+
+def test_a_code_reward_backend_names_its_sandbox_before_a_worker_starts():
+    code = {"function": "qreward_queue.rewards.code:code_reward", "options": {"unsafe": True}}
+    parts = [code, code, {"function": "qreward_queue.rewards.format:format_reward"}]
+    combined = Backend("c", "function", options=FunctionOptions(
+        function="qreward_queue.rewards.combine:weighted_sum", options={"parts": parts}))
+    # the sandbox in force here, probed (bwrap, else unshare, else none as unsafe allows)
+    line = sandbox.describe(unsafe=True)
+    assert line.startswith("code sandbox: ")
+    assert make_backend(combined).preflight() == [line]  # once, for the parts that need it
+    plain = Backend("f", "function", options=FunctionOptions(
+        function="qreward_queue.rewards.format:format_reward"))
+    assert make_backend(plain).preflight() == []
 
 
 @pytest.mark.parametrize("name", ["math", "format", "code", "format-math"])
