@@ -179,7 +179,8 @@ def _read_field(t: Table, f: dataclasses.Field[Any], hint: Any) -> Any:
     elif kind is float and not required:
         value = t.number(f.name, default, allow_zero=f.metadata.get("minimum", 1) == 0)
     elif kind in (bool, str, dict):
-        value = t.get(f.name, kind, default, expected=expected, required=required)
+        value = t.get(f.name, kind, default, expected=expected or kind.__name__,
+                      required=required)
     else:
         raise TypeError(f"{f.name}: a field of type {hint} is read by its kind (pass it given)")
     choices = f.metadata.get("choices")

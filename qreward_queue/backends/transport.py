@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache, partial
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import unquote, urlencode, urlsplit, urlunsplit
 from urllib.request import getproxies_environment, proxy_bypass
 
@@ -48,7 +48,9 @@ from ..flow.ratelimit_headers import RATE_LIMITED_STATUSES, RateLimitHeaders
 from ..redact import redact_url, remember
 from ..settings import Backend
 from ..toml_table import expand_env
-from .http import HttpOptions
+
+if TYPE_CHECKING:
+    from .http import HttpOptions
 
 AUTH_HEADERS = {  # `auth` in a backend file: how the API key is sent
     "bearer": "Authorization: Bearer {key}\r\n",
@@ -221,8 +223,13 @@ async def connect_async(config: Backend, url: str) -> None:
         _idle.setdefault(server, []).append(await _connect_async(server, config.timeout_s))
 
 
+def _options(config: Backend) -> HttpOptions:
+    """`config`'s HTTP options (an HTTP kind's client, which checked them, calls here)."""
+    return cast("HttpOptions", config.options)
+
+
 def _server_of(config: Backend, url: str) -> _Server:
-    http = config.options_as(HttpOptions)
+    http = _options(config)
     return _server(url, http.query, http.proxy, http.ca_file, http.verify)
 
 
@@ -281,7 +288,7 @@ def _finished(config: Backend, server: _Server, conn: socket.socket | _Connectio
 
 def _request(config: Backend, url: str, payload: dict) -> tuple[_Server, bytes]:
     """Where the request goes, and its bytes: head and body, sent in one write."""
-    server, http = _server_of(config, url), config.options_as(HttpOptions)
+    server, http = _server_of(config, url), _options(config)
     extra = "".join(f"{name}: {_filled(value, f'header {name!r}')}\r\n"
                     for name, value in http.headers)
     if config.api_key_env and http.auth != "none":
