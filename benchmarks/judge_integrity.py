@@ -90,7 +90,7 @@ class FirstScoreJudge(JudgeBackend):
         match = self.pattern.search(content)
         if match is None:
             return PermanentError("no score", content)
-        return checked_score(match.group(1), self.config.score_range, "score", content)
+        return checked_score(match.group(1), self.options.score_range, "score", content)
 
 
 def corpus(n: int, hacked: float) -> list[tuple[str, dict]]:
