@@ -49,13 +49,13 @@ class _Request:
         self.judge = JudgeBackend(backend)
         self.backend = backend
         self.endpoint = self.judge.endpoint
-        self.pattern = re.compile(backend.score_pattern)
+        self.pattern = re.compile(self.judge.options.score_pattern)
 
     def payload(self, sample: dict) -> dict:
         return {
-            "model": self.backend.model,
+            "model": self.judge.options.model,
             "messages": self.judge.messages(sample),
-            "max_tokens": self.backend.max_tokens,
+            "max_tokens": self.judge.options.max_tokens,
             "temperature": 0,
         }
 

@@ -90,7 +90,7 @@ def through_qrq(judge_url: str, samples: list[dict], tpm: float, mode: str, size
 
 def expected(config, samples: list[dict]) -> list[float]:
     """The mock's score of each sample: of its message, or of its response in its group."""
-    if config.mode != "group":
+    if config.options.mode != "group":
         return [verdict(DEFAULT_TEMPLATE.format(prompt=s["prompt"], response=s["response"],
                                                 reference="")) for s in samples]
     scores = [0.0] * len(samples)

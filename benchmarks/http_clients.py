@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baselines
 from throughput import LATENCY_CV, LATENCY_MS, samples_for
 
+from qreward_queue.backends import JudgeOptions
 from qreward_queue.backends.transport import post_json, post_json_async
 from qreward_queue.config.model import Backend
 from qreward_queue.testing.certs import Certs, make_certs
@@ -84,9 +85,9 @@ def run_mode(mode: str, args, certs: Certs | None) -> list[dict]:
     with contextlib.ExitStack() as stack:
         judge = stack.enter_context(spawn(settings, timeout_s=60))  # a loaded machine
         proxy = stack.enter_context(spawn_proxy()).url if mode == "proxy" else None
-        backend = Backend(name=f"judge-{mode}", kind="judge", url=judge.url + "/v1",
-                          model="mock", timeout_s=10, proxy=proxy or "",
-                          ca_file=str(certs.ca) if tls and certs else None)
+        backend = Backend(name=f"judge-{mode}", kind="judge", timeout_s=10,
+                          options=JudgeOptions(url=judge.url + "/v1", model="mock",
+                          proxy=proxy or "", ca_file=str(certs.ca) if tls and certs else None))
         backend = replace(backend, pool=replace(backend.pool, calls=args.threads))
         request = baselines._Request(backend)
         payloads = [request.payload(s) for s in samples_for(args.n)]

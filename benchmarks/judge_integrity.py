@@ -46,6 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from qreward_queue.backends import JudgeOptions
 from qreward_queue.backends.base import checked_score
 from qreward_queue.backends.judge import JudgeBackend
 from qreward_queue.config.model import Audit, Backend
@@ -89,7 +90,7 @@ class FirstScoreJudge(JudgeBackend):
         match = self.pattern.search(content)
         if match is None:
             return PermanentError("no score", content)
-        return checked_score(match.group(1), self.config.score_range, "score", content)
+        return checked_score(match.group(1), self.options.score_range, "score", content)
 
 
 def corpus(n: int, hacked: float) -> list[tuple[str, dict]]:
@@ -110,9 +111,9 @@ def corpus(n: int, hacked: float) -> list[tuple[str, dict]]:
 
 
 def judge(url: str, own_verdict: bool = True, **options) -> JudgeBackend:
-    base = Backend(name="judge", kind="judge", url=url + "/v1", model="mock",
-                   score_range=(0.0, 1.0))
-    return (JudgeBackend if own_verdict else FirstScoreJudge)(replace(base, **options))
+    base = Backend(name="judge", kind="judge", options=JudgeOptions(
+        url=url + "/v1", model="mock", score_range=(0.0, 1.0), **options))
+    return (JudgeBackend if own_verdict else FirstScoreJudge)(base)
 
 
 def scores(backend: JudgeBackend, samples: list[dict]) -> list[tuple[float | None, str | None]]:

@@ -4,6 +4,7 @@ through the limiter as the worker ends them."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -14,10 +15,20 @@ from pathlib import Path
 
 import redis
 
+from qreward_queue.backends import KINDS
+from qreward_queue.config.model import Backend
 from qreward_queue.flow.limiter import Grant, Limiter, Reading
 from qreward_queue.flow.ratelimit_headers import Feedback
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def backend_of(kind: str, **fields) -> Backend:
+    """A Backend made in Python from flat keyword arguments, as a file writes them: those of
+    the kind's options dataclass go to `options`, the rest to Backend itself."""
+    own = {f.name for f in dataclasses.fields(KINDS[kind].Options)}
+    options = KINDS[kind].Options(**{k: v for k, v in fields.items() if k in own})
+    return Backend(kind=kind, options=options, **{k: v for k, v in fields.items() if k not in own})
 
 
 def toml_value(value) -> str:

@@ -1,8 +1,9 @@
 """mkdocs hook: the configuration reference, generated from the settings dataclasses.
 
 A page holding `<!-- generated: settings -->` gets one table per dataclass of
-`qreward_queue/config/model.py` (field, type, default, the comment the source gives it), so the
-reference cannot drift from the model the loader fills. The CLI reference comes from click
+`qreward_queue/config/model.py`, and one per kind's options dataclass (`backends.KINDS`):
+field, type, default, the comment the source gives it, so the reference cannot drift from the
+model the loader fills. The CLI reference comes from click
 itself (the `mkdocs-click` extension, docs/cli.md).
 """
 
@@ -14,6 +15,7 @@ import inspect
 import re
 from typing import Any
 
+from qreward_queue.backends import KINDS
 from qreward_queue.config import model as settings
 
 MARK = "<!-- generated: settings -->"
@@ -25,7 +27,8 @@ TABLES: dict[str, str] = {
     "GatewaySettings": "`qrq.toml`: `[gateway]`",
     "Jobs": "`qrq.toml`: `[jobs]`",
     "JobSettings": "`qrq.toml`: `[jobs.JOB]` (and `[jobs.JOB.budget]`)",
-    "Backend": "`workers/<backend>.toml`: `[backend]` (and `[backend.options]`)",
+    "Backend": "`workers/<backend>.toml`: `[backend]`, the keys of every kind (and the kind's "
+               "own, below)",
     "Limits": "`workers/<backend>.toml`: `[limits]`",
     "Pool": "`workers/<backend>.toml`: `[pool]`",
     "Retry": "`workers/<backend>.toml`: `[retry]`",
@@ -35,8 +38,23 @@ TABLES: dict[str, str] = {
 }
 
 
+def kind_tables() -> dict[str, type]:
+    """Each kind's options dataclass and where its values are written."""
+    return {f"`workers/<backend>.toml`: `[backend]` with `kind = \"{name}\"`": kind.Options
+            for name, kind in KINDS.items() if dataclasses.fields(kind.Options)}
+
+
 def field_comments(cls: type) -> dict[str, str]:
-    """Each field's comment in the source: on its line, else the lines just above it."""
+    """Each field's comment in the source (of the class or the one it extends): on its line,
+    else the lines just above it."""
+    notes: dict[str, str] = {}
+    for base in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(base) and base.__module__.startswith("qreward_queue"):
+            notes |= _own_comments(base)
+    return notes
+
+
+def _own_comments(cls: type) -> dict[str, str]:
     source, _ = inspect.getsourcelines(cls)
     notes: dict[str, str] = {}
     above: list[str] = []
@@ -60,15 +78,15 @@ def default_of(field: dataclasses.Field[Any]) -> str:
     else:
         return "required"
     if isinstance(value, str) and "\n" in value:
-        return "(see `config/model.py`)"
+        return "(see the source)"
     text = repr(value) if not dataclasses.is_dataclass(value) else f"`{type(value).__name__}()`"
     return text if text.startswith("`") else f"`{text}`"
 
 
-def table(cls: type) -> str:
+def table(cls: type, where: str) -> str:
     notes = field_comments(cls)
     doc = " ".join(ast.get_docstring(ast.parse(inspect.getsource(cls)).body[0]).split())  # type: ignore[arg-type]
-    rows = [f"### `{cls.__name__}`\n", f"{TABLES[cls.__name__]}. {doc}\n",
+    rows = [f"### `{cls.__name__}`\n", f"{where}. {doc}\n",
             "| field | type | default | note |", "|---|---|---|---|"]
     for field in dataclasses.fields(cls):
         kind = str(field.type).replace("|", "\\|")
@@ -79,8 +97,14 @@ def table(cls: type) -> str:
 
 
 def settings_reference() -> str:
-    """Every settings dataclass as a table, in the order of TABLES."""
-    return "\n".join(table(getattr(settings, name)) for name in TABLES)
+    """Every settings dataclass as a table, in the order of TABLES, each kind's options after
+    `Backend`."""
+    parts = []
+    for name, where in TABLES.items():
+        parts.append(table(getattr(settings, name), where))
+        if name == "Backend":
+            parts += [table(cls, kind_where) for kind_where, cls in kind_tables().items()]
+    return "\n".join(parts)
 
 
 def on_page_markdown(markdown: str, **_: Any) -> str:

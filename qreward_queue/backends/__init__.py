@@ -1,6 +1,7 @@
 """The kinds of backend, by the name `[backend] kind` gives them.
 
-A kind is one class (see `base.BackendClient`); KINDS is the one place a kind is added.
+A kind is one class (see `base.BackendClient`) with its options dataclass (`Options`, read
+from `[backend]` by its fields); KINDS is the one place a kind is added.
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ from functools import cache
 from ..config.model import Backend
 from ..errors import ConfigError
 from .base import BackendClient, Call
-from .function import FunctionBackend
-from .judge import JudgeBackend
-from .reward_model import RewardModelBackend
+from .function import FunctionBackend, FunctionOptions
+from .http import HttpOptions
+from .judge import JudgeBackend, JudgeOptions
+from .reward_model import RewardModelBackend, RewardModelOptions
 
 KINDS: dict[str, type[BackendClient]] = {
     "judge": JudgeBackend,
@@ -31,4 +33,5 @@ def make_backend(config: Backend) -> BackendClient:
     return kind(config)
 
 
-__all__ = ["KINDS", "BackendClient", "Call", "make_backend"]
+__all__ = ["KINDS", "BackendClient", "Call", "FunctionOptions", "HttpOptions", "JudgeOptions",
+           "RewardModelOptions", "make_backend"]

@@ -1,8 +1,9 @@
 """The backend interface: everything qrq knows about a kind of backend, in its own class.
 
-A kind says which keys of the `[backend]` table it reads (and checks them), how many samples
-one call takes, what decides its scores (the cache's identity), what a call costs in tokens,
-what its replies teach the limiter, and makes the call. The planner, the chunker, the cache,
+A kind says which keys of the `[backend]` table it reads (its `Options` dataclass, and their
+checks), what a worker checks before it starts (`preflight`), how many samples one call
+takes, what decides its scores (the cache's identity), what a call costs in tokens, what its
+replies teach the limiter, and makes the call. The planner, the chunker, the cache,
 the loader and the worker's call path ask the kind (`backends.KINDS`), never its name.
 The worker task wraps every call in the global limiter and handles retries, so a backend
 only turns samples into a request and a reply into scores (or precise errors).
@@ -16,9 +17,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ..config.model import Backend
-from ..config.toml_table import Table
-from ..errors import PermanentError, ScoringError
+from ..config.model import Backend, KindOptions
+from ..config.toml_table import Table, read_fields
+from ..errors import ConfigError, PermanentError, ScoringError
 from ..flow.ratelimit_headers import Feedback
 
 MAX_USAGE_TOKENS = 10**12  # more than any call can cost: a larger count is garbage
@@ -48,15 +49,31 @@ class BackendClient(ABC):
     # once on one thread, where they need no thread each (see worker/call_loop.py)
     awaitable: ClassVar[bool] = False
     default_chunk_size: ClassVar[int | None] = None  # samples per task when the file sets none
+    # the kind's own keys of `[backend]` and their defaults (`Backend.options`)
+    Options: ClassVar[type[KindOptions]] = KindOptions
 
     def __init__(self, config: Backend):
         self.config = config
 
     @classmethod
-    def read_options(cls, table: Table) -> dict[str, Any]:
-        """This kind's own keys of the `[backend]` table, checked, as `Backend` keyword
-        arguments (a wrong one raises or is noted on `table`, naming its file and key)."""
-        return {}
+    def read_options(cls, table: Table) -> KindOptions:
+        """This kind's own keys of the `[backend]` table, checked, as its `Options` (a wrong
+        one raises or is noted on `table`, naming its file and key). A kind whose keys need
+        checks beyond their types reads those itself and passes them to `read_fields`."""
+        return read_fields(table, cls.Options)
+
+    def preflight(self) -> list[str]:
+        """What `qrq worker` checks before it starts a worker of this backend: the lines it
+        prints (a warning begins with "warning: "); raises ConfigError when the backend
+        cannot run in this process (by default: its API key variable is unset)."""
+        if missing := self.config.missing_api_key():
+            raise ConfigError(f"{missing}: export it before starting the worker")
+        return []
+
+    @property
+    def sends_priority(self) -> bool:
+        """Its calls carry their message's priority level (priority.CALL_LEVEL on each sample)."""
+        return False
 
     def connect(self) -> None:
         """Make ready for the calling thread's first call (an HTTP kind opens its connection)."""
@@ -86,10 +103,8 @@ class BackendClient(ABC):
 
     def identity(self) -> list[Any]:
         """What decides this backend's scores: cached scores are shared only between equal
-        identities (of one route). A kind whose scores depend on other settings adds them."""
-        c = self.config
-        return [c.kind, c.model, c.prompt_template, c.system_prompt, c.score_pattern,
-                c.function, c.max_tokens]
+        identities (of one route). A kind adds the options its scores depend on."""
+        return [self.config.kind]
 
     def estimate_usage(self, samples: list[dict]) -> tuple[float, float]:
         """Tokens in and out the call will cost, before we know (chars / 4, no output)."""

@@ -36,10 +36,13 @@ import types
 from collections.abc import Callable
 from functools import cache
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ..config.model import Backend
 from ..errors import PermanentError, SampleTimeout, ScoringError
+
+if TYPE_CHECKING:
+    from .function import FunctionOptions
 
 FLUSH_S = 0.02  # a helper sends its results at least this often, so a kill loses little work
 STARTUP_GRACE_S = 30.0  # a new helper's imports before sample 0 are not that sample's time
@@ -151,13 +154,14 @@ class HelperRunner:
             return self.conn
         self.stop()
         parent, child = multiprocessing.Pipe()
-        config, memory = self.config, self.config.pool.memory_limit_mb
+        # the function backend's client, which checked its options, made this runner
+        fn, memory = cast("FunctionOptions", self.config.options), self.config.pool.memory_limit_mb
         if threading.active_count() == 1:  # fork is fast and inherits the imported function
-            args = (child, self.slot, config.function, config.options, memory)
+            args = (child, self.slot, fn.function, fn.options, memory)
             self.proc = _Forked(_helper_main, args)
         else:
             setup = {"conn_fd": child.fileno(), "slot_fd": self._slot_fd, "path": sys.path}
-            setup |= {"function": config.function, "options": config.options, "memory": memory}
+            setup |= {"function": fn.function, "options": fn.options, "memory": memory}
             self.proc = _Spawned(setup)
         child.close()
         self.conn, self.chunks = parent, 0

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import re
 from abc import abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ..config.model import Backend
-from ..config.toml_table import Table, expand_env
+from ..config.model import Backend, KindOptions
+from ..config.toml_table import Table, expand_env, read_fields
 from ..errors import ConfigError, ScoringError
 from ..flow.ratelimit_headers import Feedback
 from ..redact import redact_url
@@ -39,19 +40,45 @@ def _pairs(table: Table, key: str, defaults: tuple[tuple[str, str], ...]
     return tuple((n, v) for n, v in defaults if n.lower() not in named) + tuple(given.items())
 
 
+@dataclass(frozen=True, kw_only=True)
+class HttpOptions(KindOptions):
+    """How a provider wants its calls (dialects.py, transport.py): the keys every kind that
+    POSTs to `url` reads."""
+
+    url: str  # ${VAR} filled when the file loads
+    dialect: str = "openai"  # openai | anthropic | azure: the request and reply shapes
+    auth: str = "bearer"  # how the API key is sent: bearer | api-key | x-api-key | none
+    headers: tuple[tuple[str, str], ...] = ()  # extra headers; ${VAR} read at call time
+    query: tuple[tuple[str, str], ...] = ()  # query parameters; ${VAR} read at call time
+    proxy: str | None = None  # an http:// proxy; "": none; None: HTTPS_PROXY/HTTP_PROXY/NO_PROXY
+    ca_file: str | None = None  # the CA that signs the server's certificate (a private judge)
+    verify: bool = True  # False only when a file says so; the worker warns at start
+
+    def call_time_values(self) -> tuple[tuple[str, str, str], ...]:
+        return tuple((table, key, value) for table, pairs in
+                     (("headers", self.headers), ("query", self.query)) for key, value in pairs)
+
+
 class HttpBackend(BackendClient):
     """A kind whose calls are POSTs to `[backend] url`: a kept-alive connection per thread (or
     on the worker's call loop), and replies that teach the limiter by their status and
     rate-limit headers. A kind says what it sends (`request`) and reads (`answer`)."""
 
     awaitable: ClassVar[bool] = True
+    Options: ClassVar[type[KindOptions]] = HttpOptions
 
     def __init__(self, config: Backend):
         super().__init__(config)
-        self.endpoint = config.url or ""
+        self.http = config.options_as(HttpOptions)
+        self.endpoint = self.http.url
 
     @classmethod
-    def read_options(cls, table: Table) -> dict[str, Any]:
+    def read_options(cls, table: Table) -> KindOptions:
+        return read_fields(table, cls.Options, **cls.read_http(table))
+
+    @classmethod
+    def read_http(cls, table: Table) -> dict[str, Any]:
+        """The keys of `HttpOptions`, checked (a URL, headers qrq can send, a CA file...)."""
         url = expand_env(table.get("url", str, required=True, expected="an http(s) URL"),
                          table.where("url"))
         if not url.startswith(("http://", "https://")):
@@ -86,6 +113,15 @@ class HttpBackend(BackendClient):
     def read_dialect(cls, table: Table) -> Dialect:
         """The provider's shape (`dialects.py`); a kind with a wire format of its own has one."""
         return DIALECTS["openai"]
+
+    def preflight(self) -> list[str]:
+        notes = super().preflight()
+        if not self.http.verify:
+            notes.append(f"warning: {self.config.source}: backend.verify = false: the TLS "
+                         f"certificate of backend {self.config.name!r} is not checked (anyone on "
+                         "the way can read and change its calls); trust its CA with ca_file "
+                         "instead")
+        return notes
 
     def connect(self) -> None:
         """Open the calling thread's kept-alive connection ahead of its first call."""

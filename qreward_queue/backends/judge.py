@@ -16,17 +16,18 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from ..config.model import DEFAULT_SCORE_PATTERN, DEFAULT_TEMPLATE, Backend
-from ..config.toml_table import Table
+from ..config.model import Backend, KindOptions
+from ..config.toml_table import Table, read_fields
 from ..errors import ConfigError, PermanentError, ScoringError
 from ..priority import CALL_LEVEL
 from ..samples import flag
 from . import groups, injection, passthrough
 from .base import Call, checked_score, read_score_range, usage_split, usage_tokens
 from .dialects import DIALECTS, Dialect
-from .http import HttpBackend
+from .http import HttpBackend, HttpOptions
 
 if TYPE_CHECKING:
     from .transport import Reply
@@ -34,9 +35,43 @@ if TYPE_CHECKING:
 SCORE_MATCHES = ("unique", "first", "last")
 MODES = ("sample", "group")
 _GROUP_KEYS = ("group_template", "group_max", "group_pattern")
-
-
+DEFAULT_TEMPLATE = (
+    "Rate the response to the prompt on a scale from 0 to 1.\n"
+    "Prompt: {prompt}\nResponse: {response}\nReference: {reference}\n"
+    "Answer with 'Score: <number>'."
+)
+# the exponent is part of the number, so "Score: 1e309" reads as 1e309 (an error), never as 1;
+# ASCII digits only, and a number that goes on ("0.5.5", "1/2", "1,5", "0x1", "١") is no match
+DEFAULT_SCORE_PATTERN = (
+    r"Score:\s*([-+]?(?:[0-9]+(?:\.[0-9]+)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?)(?!\w|[.,/]\w)"
+)
 MESSAGE_OVERHEAD_BYTES = 16  # a chat message's role and template tokens, as bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class JudgeOptions(HttpOptions):
+    """A judge's own keys of `[backend]` (with the HTTP ones): what it asks and how it reads
+    the score."""
+
+    model: str = field(metadata={"expected": "a model name"})  # sent as the call's `model`
+    prompt_template: str = DEFAULT_TEMPLATE
+    system_prompt: str | None = None
+    score_pattern: str = DEFAULT_SCORE_PATTERN
+    max_tokens: int = 16
+    # a score outside it is an error; the default templates ask for scores from 0 to 1
+    score_range: tuple[float, float] | None = None
+    # several scores in one reply: unique | first | last
+    score_match: str = field(default="unique", metadata={"choices": SCORE_MATCHES})
+    # "sample" (one call per sample) or "group" (one call per group, groups.py)
+    mode: str = "sample"
+    group_template: str | None = None  # None: groups.DEFAULT_GROUP_TEMPLATE
+    group_max: int = 16  # the most responses one group call holds (larger groups are split)
+    group_pattern: str | None = None  # tagged scores (number, score); None: a JSON list/object
+    # the response fenced in a tag it cannot close (injection.fence), and the verdict asked as
+    # JSON by `response_format` (a server that supports it: OpenAI, vLLM, SGLang)
+    fence: bool = True
+    structured: bool = False
+    priority_field: bool = False  # send the call's priority as `priority` (vLLM, SGLang)
 
 class JudgeBackend(HttpBackend):
     """Fills the prompt template from the sample and parses the score out of the reply.
@@ -46,10 +81,13 @@ class JudgeBackend(HttpBackend):
     when `score_match` is "unique").
     """
 
+    Options: ClassVar[type[KindOptions]] = JudgeOptions
+
     def __init__(self, config: Backend):
         super().__init__(config)
-        self.pattern = re.compile(config.score_pattern)
-        self.dialect = DIALECTS[config.dialect]
+        self.options = config.options_as(JudgeOptions)
+        self.pattern = re.compile(self.options.score_pattern)
+        self.dialect = DIALECTS[self.options.dialect]
         base = self.endpoint.rstrip("/")
         self.endpoint = base + self.dialect.path
         self.text_endpoint = base + self.dialect.text_path if self.dialect.text_path else None
@@ -62,36 +100,31 @@ class JudgeBackend(HttpBackend):
         return DIALECTS[name]
 
     @classmethod
-    def read_options(cls, b: Table) -> dict[str, Any]:
-        values = super().read_options(b)
-        values["model"] = b.get("model", str, required=True, expected="a model name")
-        values["prompt_template"] = b.get("prompt_template", str, DEFAULT_TEMPLATE)
-        values["system_prompt"] = b.get("system_prompt", str, None)
-        values["score_pattern"] = b.get("score_pattern", str, DEFAULT_SCORE_PATTERN)
-        values["max_tokens"] = b.integer("max_tokens", Backend.max_tokens)
-        values["fence"] = b.get("fence", bool, True)
-        values["structured"] = b.get("structured", bool, False)
+    def read_options(cls, b: Table) -> KindOptions:
+        values = cls.read_http(b)
+        score_pattern = b.get("score_pattern", str, DEFAULT_SCORE_PATTERN)
         try:
-            if re.compile(values["score_pattern"]).groups < 1:
+            if re.compile(score_pattern).groups < 1:
                 raise b.fail("score_pattern", "a regex with one capture group for the score")
         except re.error as exc:
             raise b.fail("score_pattern", f"a valid regex ({exc})") from None
-        _check_template(b, values["prompt_template"])
-        values["score_match"] = b.get("score_match", str, "unique")
-        if values["score_match"] not in SCORE_MATCHES:
-            raise b.fail("score_match", f"one of {', '.join(SCORE_MATCHES)}")
+        prompt_template = b.get("prompt_template", str, DEFAULT_TEMPLATE)
+        _check_template(b, prompt_template)
         values.update(_group_options(b))
-        # the default templates ask for scores from 0 to 1
-        template = values.get("group_template") or values["prompt_template"]
-        default = groups.DEFAULT_GROUP_TEMPLATE if "group_template" in values else DEFAULT_TEMPLATE
+        template = values["group_template"] or prompt_template
+        default = groups.DEFAULT_GROUP_TEMPLATE if values["group_template"] else DEFAULT_TEMPLATE
         default_range = (0.0, 1.0) if template == default else None
-        values["score_range"] = read_score_range(b, default_range)
-        values["priority_field"] = b.get("priority_field", bool, False)
-        return values
+        return read_fields(b, JudgeOptions, score_pattern=score_pattern,
+                           prompt_template=prompt_template,
+                           score_range=read_score_range(b, default_range), **values)
+
+    @property
+    def sends_priority(self) -> bool:
+        return self.options.priority_field
 
     @property
     def grouped(self) -> bool:
-        return self.config.mode == "group"
+        return self.options.mode == "group"
 
     def units(self, samples: list[dict]) -> list[list[int]]:
         """Group mode: whole groups (a chunk holds each or none of it)."""
@@ -100,22 +133,23 @@ class JudgeBackend(HttpBackend):
     def split(self, samples: list[dict]) -> list[list[int]]:
         """Group mode: one call per group, split to at most `group_max` responses."""
         if self.grouped:
-            return groups.plan_groups(samples, self.config.group_max)
+            return groups.plan_groups(samples, self.options.group_max)
         return super().split(samples)
 
     def identity(self) -> list[Any]:
-        c = self.config
-        extra = [c.mode, c.group_template, c.group_max, c.group_pattern] if self.grouped else []
-        return [*super().identity(), c.fence, c.structured, *extra]
+        o = self.options
+        extra = [o.mode, o.group_template, o.group_max, o.group_pattern] if self.grouped else []
+        return [*super().identity(), o.model, o.prompt_template, o.system_prompt,
+                o.score_pattern, o.max_tokens, o.fence, o.structured, *extra]
 
     def render(self, sample: dict) -> str:
         """The user message the judge sees for `sample` (in sample mode): the response fenced,
         and the judge told so after it."""
         response = sample["response"]
-        if self.config.fence:
+        if self.options.fence:
             tag = injection.fence([response])
             response = f"<{tag}>\n{response}\n</{tag}>\n{injection.fence_note(tag)}"
-        return self.config.prompt_template.format(
+        return self.options.prompt_template.format(
             prompt=sample["prompt"],
             response=response,
             reference=sample.get("reference") or "",
@@ -129,23 +163,23 @@ class JudgeBackend(HttpBackend):
     def call_messages(self, samples: list[dict]) -> list[dict[str, str]]:
         """What one call sends: its sample, or in group mode its group rendered at once."""
         if self.grouped:
-            template = self.config.group_template or groups.DEFAULT_GROUP_TEMPLATE
-            content = groups.render_group(template, samples, self.config.fence)
+            template = self.options.group_template or groups.DEFAULT_GROUP_TEMPLATE
+            content = groups.render_group(template, samples, self.options.fence)
         else:
             (sample,) = samples
             content = self.render(sample)
-        system = [{"role": "system", "content": self.config.system_prompt or ""}]
-        return (system if self.config.system_prompt else []) + [
+        system = [{"role": "system", "content": self.options.system_prompt or ""}]
+        return (system if self.options.system_prompt else []) + [
             {"role": "user", "content": content}
         ]
 
     def estimate_usage(self, samples: list[dict]) -> tuple[float, float]:
         """The calls' messages (a group's prompt counted once) and max_tokens per sample."""
         if samples and passthrough.caller_request(samples[0]) is not None:  # a gateway's batch
-            return passthrough.estimate_usage(samples, self.config.max_tokens)
+            return passthrough.estimate_usage(samples, self.options.max_tokens)
         calls = [[samples[i] for i in call] for call in self.split(samples)]
         chars = sum(len(m["content"]) for call in calls for m in self.call_messages(call))
-        return chars / 4, float(self.config.max_tokens * len(samples))
+        return chars / 4, float(self.options.max_tokens * len(samples))
 
     def input_bytes(self, samples: list[dict]) -> int:
         """The calls' messages, each with MESSAGE_OVERHEAD_BYTES for its role and markup."""
@@ -168,15 +202,15 @@ class JudgeBackend(HttpBackend):
 
     def request(self, samples: list[dict]) -> dict:
         if (body := passthrough.call_request(samples)) is not None:
-            return passthrough.payload(body, self.config.model)
+            return passthrough.payload(body, self.options.model)
         payload: dict[str, Any] = {
-            "model": self.config.model,
+            "model": self.options.model,
             "messages": self.call_messages(samples),
             # group mode: max_tokens per response, so the reply has room for every score
-            "max_tokens": self.config.max_tokens * len(samples),
+            "max_tokens": self.options.max_tokens * len(samples),
             "temperature": 0,
         }
-        if self.config.structured:
+        if self.options.structured:
             payload["response_format"] = _verdict_format(len(samples) if self.grouped else None)
         vote = samples[0].get("vote") if len(samples) == 1 else None
         if vote and "temperature" in vote:  # an ensemble's judge asked again: another draw
@@ -187,7 +221,7 @@ class JudgeBackend(HttpBackend):
         """The body the provider gets for the OpenAI chat body `chat`: in its dialect, with
         the call's priority when the server schedules by it (`priority_field`)."""
         body = self.dialect.body(chat)
-        level = samples[0].get(CALL_LEVEL) if self.config.priority_field else None
+        level = samples[0].get(CALL_LEVEL) if self.options.priority_field else None
         if level is not None:  # vLLM: lower first, as qrq's levels (val 0, train 6, bulk 9)
             body["priority"] = level
         return body
@@ -220,25 +254,25 @@ class JudgeBackend(HttpBackend):
     def parse_group(self, content: str, responses: Sequence[str]
                     ) -> list[float | ScoringError] | PermanentError:
         """One score per response of the group, or the group's error quoting the reply."""
-        verdict = _json_verdict(content, "scores") if self.config.structured else None
+        verdict = _json_verdict(content, "scores") if self.options.structured else None
         if verdict is not None:
             content = json.dumps(verdict)
-        pattern = self.config.group_pattern
+        pattern = self.options.group_pattern
         try:
             if pattern is not None:  # tagged scores: the judge's own, not those a response wrote
                 own = own_matches(list(re.finditer(pattern, content)), responses, content)
                 content = "\n".join(m.group(0) for m in own)
             return list(groups.parse_group_scores(
-                content, len(responses), pattern, self.config.score_range))
+                content, len(responses), pattern, self.options.score_range))
         except PermanentError as exc:
             return exc
 
     def parse_score(self, content: str, response: str = "") -> float | PermanentError:
         """The judge's own score in its reply: its JSON verdict (`structured`), else per
         `score_pattern` and `score_match` among the matches that do not quote `response`."""
-        verdict = _json_verdict(content, "score") if self.config.structured else None
+        verdict = _json_verdict(content, "score") if self.options.structured else None
         if verdict is not None:
-            return checked_score(verdict, self.config.score_range, f"score {verdict!r}",
+            return checked_score(verdict, self.options.score_range, f"score {verdict!r}",
                                  content[:500])
         matches = list(self.pattern.finditer(content))
         if not matches:
@@ -251,7 +285,7 @@ class JudgeBackend(HttpBackend):
                 "no score of the judge's own in its reply (each one quotes the response)",
                 content[:500],
             )
-        policy = self.config.score_match
+        policy = self.options.score_match
         if policy == "unique" and len(set(map(_number_or_text, found))) > 1:
             return PermanentError(
                 f"{len(found)} different scores in the judge's reply ({', '.join(found[:5])}); "
@@ -259,7 +293,7 @@ class JudgeBackend(HttpBackend):
                 content[:500],
             )
         text = found[-1] if policy == "last" else found[0]
-        return checked_score(text, self.config.score_range, f"score {text!r}", content[:500])
+        return checked_score(text, self.options.score_range, f"score {text!r}", content[:500])
 
 
 def own_matches(matches: list[re.Match[str]], responses: Sequence[str], content: str
@@ -318,11 +352,11 @@ def _group_options(b: Table) -> dict[str, Any]:
             if key in b.data:
                 b.used.add(key)
                 b.note(ConfigError(f'{b.where(key)}: only read with mode = "group"'))
-        return {}
+        return {"mode": mode, **{key: getattr(JudgeOptions, key) for key in _GROUP_KEYS}}
     values: dict[str, Any] = {
         "mode": mode,
         "group_template": b.get("group_template", str, groups.DEFAULT_GROUP_TEMPLATE),
-        "group_max": b.integer("group_max", Backend.group_max),
+        "group_max": b.integer("group_max", JudgeOptions.group_max),
         "group_pattern": b.get("group_pattern", str, None,
                                expected="a regex with two capture groups: response number, score"),
     }

@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache, partial
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import unquote, urlencode, urlsplit, urlunsplit
 from urllib.request import getproxies_environment, proxy_bypass
 
@@ -48,6 +48,9 @@ from ..config.toml_table import expand_env
 from ..errors import ConfigError, PermanentError, RateLimited, ScoringError, TransientError
 from ..flow.ratelimit_headers import RATE_LIMITED_STATUSES, RateLimitHeaders
 from ..redact import redact_url, remember
+
+if TYPE_CHECKING:
+    from .http import HttpOptions
 
 AUTH_HEADERS = {  # `auth` in a backend file: how the API key is sent
     "bearer": "Authorization: Bearer {key}\r\n",
@@ -220,8 +223,14 @@ async def connect_async(config: Backend, url: str) -> None:
         _idle.setdefault(server, []).append(await _connect_async(server, config.timeout_s))
 
 
+def _options(config: Backend) -> HttpOptions:
+    """`config`'s HTTP options (an HTTP kind's client, which checked them, calls here)."""
+    return cast("HttpOptions", config.options)
+
+
 def _server_of(config: Backend, url: str) -> _Server:
-    return _server(url, config.query, config.proxy, config.ca_file, config.verify)
+    http = _options(config)
+    return _server(url, http.query, http.proxy, http.ca_file, http.verify)
 
 
 def post_json(config: Backend, url: str, payload: dict) -> Reply:
@@ -279,10 +288,10 @@ def _finished(config: Backend, server: _Server, conn: socket.socket | _Connectio
 
 def _request(config: Backend, url: str, payload: dict) -> tuple[_Server, bytes]:
     """Where the request goes, and its bytes: head and body, sent in one write."""
-    server = _server_of(config, url)
+    server, http = _server_of(config, url), _options(config)
     extra = "".join(f"{name}: {_filled(value, f'header {name!r}')}\r\n"
-                    for name, value in config.headers)
-    if config.api_key_env and config.auth != "none":
+                    for name, value in http.headers)
+    if config.api_key_env and http.auth != "none":
         key = config.api_key()
         what = f"environment variable {config.api_key_env} (the API key of backend " \
                f"{config.name!r})"
@@ -290,7 +299,7 @@ def _request(config: Backend, url: str, payload: dict) -> tuple[_Server, bytes]:
             raise PermanentError(f"{what} is not set")
         if "\r" in key or "\n" in key:
             raise PermanentError(f"{what} holds a line break")
-        extra += AUTH_HEADERS[config.auth].format(key=key)
+        extra += AUTH_HEADERS[http.auth].format(key=key)
     body = json.dumps(payload).encode()
     return server, f"{server.head}{extra}Content-Length: {len(body)}\r\n\r\n".encode() + body
 

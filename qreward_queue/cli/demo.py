@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from ..backends.judge import JudgeBackend
+from ..backends.judge import JudgeBackend, JudgeOptions
 from ..config.model import Config
 from ..errors import ConfigError
 from ..samples import Outcome
@@ -86,11 +86,13 @@ def mock_judges(
     with contextlib.ExitStack() as stack:
         judges, moved = [], {}
         for b in (config.backend(n) for n in names):
-            url = urlsplit(b.url or "")
-            if b.kind != "judge" or url.hostname not in ("127.0.0.1", "localhost"):
+            own = b.options if isinstance(b.options, JudgeOptions) else None
+            where = own.url if own else None
+            url = urlsplit(where or "")
+            if own is None or url.hostname not in ("127.0.0.1", "localhost"):
                 raise ConfigError(
                     f"{b.source}: the demo needs local mock judges, "
-                    f"but backend {b.name!r} is a {b.kind} at {b.url}"
+                    f"but backend {b.name!r} is a {b.kind} at {where}"
                 )
             port = url.port or 80
             if port_taken(url.hostname, port):
@@ -118,7 +120,8 @@ def mock_judges(
                 new_url = url._replace(netloc=urlsplit(judge.url).netloc).geturl()
                 echo(f"port {url.port} of backend {b.name!r} is taken; its mock judge runs at "
                      f"{urlsplit(judge.url).netloc} instead")
-                moved[b.name] = dataclasses.replace(b, url=new_url)
+                moved[b.name] = dataclasses.replace(
+                    b, options=dataclasses.replace(own, url=new_url))
         yield dataclasses.replace(config, backends={**config.backends, **moved}), judges
 
 

@@ -27,8 +27,8 @@ from ..config.model import Backend
 SEMAPHORE = 64
 
 
-def _request(backend: Backend, judge: JudgeBackend, sample: dict) -> dict:
-    return {"model": backend.model, "messages": judge.messages(sample), "max_tokens": 16}
+def _request(judge: JudgeBackend, sample: dict) -> dict:
+    return {"model": judge.options.model, "messages": judge.messages(sample), "max_tokens": 16}
 
 
 def _retry_after_s(headers: dict[str, str]) -> float:
@@ -62,7 +62,7 @@ def naive_score(backend: Backend, samples: list[dict],
     scores = []
     for sample in samples:
         while True:
-            status, headers, body = _post(judge.endpoint, _request(backend, judge, sample),
+            status, headers, body = _post(judge.endpoint, _request(judge, sample),
                                           backend.timeout_s)
             if status != 429:
                 break
@@ -120,7 +120,7 @@ async def _semaphore_score(backends: list[Backend], samples: list[dict]) -> list
         async with slots:
             while True:
                 status, headers, body = await connections[which].post(
-                    _request(backends[which], judges[which], sample)
+                    _request(judges[which], sample)
                 )
                 if status != 429:
                     break

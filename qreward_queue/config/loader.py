@@ -15,7 +15,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, overload
 
-from ..backends import KINDS
+from ..backends import KINDS, make_backend
 from ..backends.injection import ON_INJECTION
 from ..errors import ConfigError, UnknownRoute
 from ..flow.ratelimit_headers import DEFAULT_MAX_PAUSE_S
@@ -216,7 +216,7 @@ def _backend_values(b: Table, path: Path) -> dict[str, Any]:
         "timeout_s": b.number("timeout_s", Backend.timeout_s),
         "api_key_env": _env_name(b),
     }
-    values.update(KINDS[kind].read_options(b))
+    values["options"] = KINDS[kind].read_options(b)
     values["chunk_size"] = b.integer("chunk_size", KINDS[kind].default_chunk_size)
     b.finish()
     return values
@@ -252,7 +252,8 @@ def _routes(t: Table, backends: dict[str, Backend], broken: Collection[str] = ()
         names = [n for n in names if n not in broken]
         if not names:
             continue
-        modes = sorted({backends[n].mode for n in names})
+        modes = sorted({"group" if make_backend(backends[n]).grouped else "sample"
+                        for n in names})
         if len(modes) > 1:  # a group score and a sample score are not the same reward
             raise r.fail("backends", f'backends of one mode (these mix {" and ".join(modes)})')
         w = r.table("weights")

@@ -9,25 +9,15 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
-from ..errors import UnknownRoute
+from ..errors import ConfigError, UnknownRoute
 from ..flow.ratelimit_headers import DEFAULT_MAX_PAUSE_S
 from ..message import DEFAULT_JOB
 from ..redact import remember
 from ..samples import DEFAULT_MAX_SAMPLE_BYTES
 from .toml_table import env_names
 
-DEFAULT_TEMPLATE = (
-    "Rate the response to the prompt on a scale from 0 to 1.\n"
-    "Prompt: {prompt}\nResponse: {response}\nReference: {reference}\n"
-    "Answer with 'Score: <number>'."
-)
-# the exponent is part of the number, so "Score: 1e309" reads as 1e309 (an error), never as 1;
-# ASCII digits only, and a number that goes on ("0.5.5", "1/2", "1,5", "0x1", "١") is no match
-DEFAULT_SCORE_PATTERN = (
-    r"Score:\s*([-+]?(?:[0-9]+(?:\.[0-9]+)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?)(?!\w|[.,/]\w)"
-)
 PACKAGED_CONFIG = Path(__file__).resolve().parents[1] / "defaults" / "qrq.toml"
 
 
@@ -132,44 +122,29 @@ class Budget:
 
 
 @dataclass(frozen=True)
+class KindOptions:
+    """The base of a kind's options dataclass (`JudgeOptions`...: the keys of `[backend]` that
+    only its kind reads, with their defaults); a kind with no keys of its own has these."""
+
+    def call_time_values(self) -> tuple[tuple[str, str, str], ...]:
+        """(table, key, value) of the values read at call time (a header naming `${VAR}`)."""
+        return ()
+
+
+OptionsT = TypeVar("OptionsT", bound=KindOptions)
+
+
+@dataclass(frozen=True)
 class Backend:
     """One endpoint or function: its own limits, its own queue `qrq.<name>`, its own pool."""
 
     name: str
     kind: str
-    url: str | None = None
-    model: str | None = None
     api_key_env: str | None = None
     timeout_s: float = 60.0
     chunk_size: int | None = None  # samples per task; None: sized by the planner
-    prompt_template: str = DEFAULT_TEMPLATE
-    system_prompt: str | None = None
-    score_pattern: str = DEFAULT_SCORE_PATTERN
-    max_tokens: int = 16
-    score_range: tuple[float, float] | None = None  # a score outside it is an error
-    score_match: str = "unique"  # several scores in one reply: unique | first | last
-    # judges: "sample" (one call per sample) or "group" (one call per group, backends/groups.py)
-    mode: str = "sample"
-    group_template: str | None = None  # None: groups.DEFAULT_GROUP_TEMPLATE
-    group_max: int = 16  # the most responses one group call holds (larger groups are split)
-    group_pattern: str | None = None  # tagged scores (number, score); None: a JSON list/object
-    # the response fenced in a tag it cannot close (injection.fence), and the verdict asked as
-    # JSON by `response_format` (a server that supports it: OpenAI, vLLM, SGLang)
-    fence: bool = True
-    structured: bool = False
-    batch_size: int = 16
-    function: str | None = None
-    # HTTP kinds (backends/http.py, dialects.py, transport.py): how a provider wants its calls
-    dialect: str = "openai"  # openai | anthropic | azure: the request and reply shapes
-    auth: str = "bearer"  # how the API key is sent: bearer | api-key | x-api-key | none
-    headers: tuple[tuple[str, str], ...] = ()  # extra headers; ${VAR} read at call time
-    query: tuple[tuple[str, str], ...] = ()  # query parameters; ${VAR} read at call time
-    proxy: str | None = None  # an http:// proxy; "": none; None: HTTPS_PROXY/HTTP_PROXY/NO_PROXY
-    ca_file: str | None = None  # the CA that signs the server's certificate (a private judge)
-    verify: bool = True  # False only when a file says so; the worker warns at start
-    priority_field: bool = False  # send the call's priority as `priority` (vLLM, SGLang)
-    # a kind's own settings (a function: its keyword arguments, fn(sample, **options))
-    options: dict[str, Any] = field(default_factory=dict, hash=False)
+    # the kind's own keys of `[backend]`: its options dataclass (backends/<kind>.py)
+    options: KindOptions = field(default_factory=KindOptions)
     limits: Limits = field(default_factory=Limits)
     pool: Pool = field(default_factory=Pool)
     retry: Retry = field(default_factory=Retry)
@@ -180,6 +155,14 @@ class Backend:
     @property
     def queue(self) -> str:
         return f"qrq.{self.name}"
+
+    def options_as(self, cls: type[OptionsT]) -> OptionsT:
+        """The kind's options, as the kind's own dataclass `cls` (a backend made in Python
+        with another kind's options is refused, naming both)."""
+        if not isinstance(self.options, cls):
+            raise ConfigError(f"{self.source}: backend {self.name!r}: kind {self.kind!r} takes "
+                              f"{cls.__name__}, got {type(self.options).__name__}")
+        return self.options
 
     def api_key(self) -> str | None:
         """Read the key from the environment at call time; it never enters a message, and
@@ -200,12 +183,11 @@ class Backend:
                 f"{self.source}: backend.api_key_env: environment variable {self.api_key_env} "
                 f"(the API key of backend {self.name!r}) is not set in this process"
             )
-        for table, pairs in (("headers", self.headers), ("query", self.query)):
-            for key, value in pairs:
-                for name in env_names(value):
-                    if name not in os.environ:
-                        return (f"{self.source}: backend.{table}.{key}: environment variable "
-                                f"{name} is not set in this process")
+        for table, key, value in self.options.call_time_values():
+            for name in env_names(value):
+                if name not in os.environ:
+                    return (f"{self.source}: backend.{table}.{key}: environment variable "
+                            f"{name} is not set in this process")
         return None
 
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
 import sys
+import types
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, overload
+from typing import Any, TypeVar, get_type_hints, overload
 
 from ..errors import ConfigError
 
@@ -143,6 +145,48 @@ class Table:
         for key in sorted(set(self.data) - self.used):
             self.note(ConfigError(
                 f"{self.where(key)}: unknown key (known: {', '.join(sorted(self.used))})"))
+
+
+T = TypeVar("T")
+
+
+def read_fields(t: Table, cls: type[T], **given: Any) -> T:
+    """The dataclass `cls` filled from `t` by its fields: each key read as its field's type
+    (bool, int, float, str, a table, or one of these or None), a missing one its default (a
+    field with none is required); a wrong value is noted and its default kept. A field's
+    metadata may say what is `expected`, its `minimum` or its `choices`. `given` holds the
+    values a kind read itself (keys with checks of their own, or read only in some cases)."""
+    hints = get_type_hints(cls)
+    values = dict(given)
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if f.name not in given and f.init:
+            values[f.name] = _read_field(t, f, hints[f.name])
+    return cls(**values)
+
+
+def _read_field(t: Table, f: dataclasses.Field[Any], hint: Any) -> Any:
+    default: Any = f.default
+    if f.default_factory is not dataclasses.MISSING:
+        default = f.default_factory()
+    required = default is dataclasses.MISSING
+    options = [a for a in getattr(hint, "__args__", ()) if a is not type(None)] \
+        if isinstance(hint, types.UnionType) else [hint]
+    kind = getattr(options[0], "__origin__", options[0]) if len(options) == 1 else None
+    expected = f.metadata.get("expected")
+    value: Any
+    if kind is int and not required:
+        value = t.integer(f.name, default, f.metadata.get("minimum", 1))
+    elif kind is float and not required:
+        value = t.number(f.name, default, allow_zero=f.metadata.get("minimum", 1) == 0)
+    elif kind in (bool, str, dict):
+        value = t.get(f.name, kind, default, expected=expected or kind.__name__,
+                      required=required)
+    else:
+        raise TypeError(f"{f.name}: a field of type {hint} is read by its kind (pass it given)")
+    choices = f.metadata.get("choices")
+    if choices is not None and value not in choices:
+        raise t.fail(f.name, f"one of {', '.join(choices)}")
+    return value
 
 
 def read_toml(path: Path) -> dict[str, Any]:

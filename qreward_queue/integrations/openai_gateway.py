@@ -37,7 +37,7 @@ from typing import Any
 from aiohttp import web
 
 from .. import keys
-from ..backends import passthrough
+from ..backends import JudgeOptions, make_backend, passthrough
 from ..backends.dialects import DIALECTS
 from ..config.model import Route
 from ..errors import RedisUnreachable, UnknownRoute
@@ -196,10 +196,11 @@ def _servable(name: str, endpoint: str = passthrough.CHAT) -> str | None:
     for backend in map(config.backend, route.backends):
         if backend.kind != "judge":
             return f"backend {backend.name!r} of route {name!r} is a {backend.kind}, not a judge"
-        if backend.mode != "sample":
+        if make_backend(backend).grouped:
             return f"judge {backend.name!r} of route {name!r} judges groups (mode = \"group\")"
-        if endpoint == passthrough.COMPLETIONS and DIALECTS[backend.dialect].text_path is None:
-            return (f"judge {backend.name!r} of route {name!r} speaks the {backend.dialect} "
+        dialect = backend.options_as(JudgeOptions).dialect
+        if endpoint == passthrough.COMPLETIONS and DIALECTS[dialect].text_path is None:
+            return (f"judge {backend.name!r} of route {name!r} speaks the {dialect} "
                     "dialect, which has no text completions (use /v1/chat/completions)")
     return None
 

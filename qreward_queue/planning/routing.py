@@ -62,7 +62,9 @@ def chunk_size(backend: Backend, n: int) -> int:
     long for a worker slot, and the batch still splits over every pool. From 16 samples on,
     never fewer than fill the worker's calls with the `pool.concurrency` chunks it runs at once.
 
-    >>> chunk_size(Backend("j", "judge"), 4096), chunk_size(Backend("j", "judge"), 40)
+    >>> from qreward_queue.backends import JudgeOptions
+    >>> judge = Backend("j", "judge", options=JudgeOptions(url="http://judge/v1", model="m"))
+    >>> chunk_size(judge, 4096), chunk_size(judge, 40)
     (64, 16)
     """
     if backend.chunk_size:

@@ -26,7 +26,7 @@ import json
 import re
 from typing import Any
 
-from . import Scored
+from . import Scored, sandbox
 from .sandbox import GRACE_S, Limits, Run, bound_s, case_wall_s, run_cases
 from .testcases import load_tests
 
@@ -183,4 +183,11 @@ def time_needed_s(time_s: float = 10.0, case_s: float = 2.0, **_: Any) -> tuple[
     return bound, f"{why} + {START_S:g} s to start it"
 
 
+def preflight(unsafe: bool = False, **_: Any) -> list[str]:
+    """Which sandbox runs the programs here, in one line, checked before a worker starts
+    (raises SandboxUnavailable when none can)."""
+    return [sandbox.describe(unsafe=bool(unsafe))]
+
+
 code_reward.time_needed_s = time_needed_s  # type: ignore[attr-defined]
+code_reward.preflight = preflight  # type: ignore[attr-defined]

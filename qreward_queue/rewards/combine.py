@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ..backends.function import builtin_hook
 from ..backends.function_runner import load_function
 
 
@@ -36,3 +37,16 @@ def weighted_sum(sample: dict, parts: Sequence[dict[str, Any]]) -> float:
             raise ValueError(f"{path} failed: {type(exc).__name__}: {exc}") from exc
         total += float(part.get("weight", 1.0)) * value
     return total
+
+
+def preflight(parts: Sequence[dict[str, Any]] = (), **_: Any) -> list[str]:
+    """The checks of the built-in rewards among `parts` (a code reward's sandbox)."""
+    notes: list[str] = []
+    for part in parts:
+        hook = builtin_hook(part.get("function") or "", "preflight") \
+            if isinstance(part, dict) else None
+        notes += hook(**part.get("options", {})) if hook else []
+    return list(dict.fromkeys(notes))  # one line per sandbox, however many parts use it
+
+
+weighted_sum.preflight = preflight  # type: ignore[attr-defined]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import threading
 import time
 from pathlib import Path
@@ -47,12 +46,8 @@ def worker_app(backend_file: str, config_path: str | None, concurrency: int | No
         click.echo(f"qrq: warning: {problem} (left out of its routes here)", err=True)
     if config.embedded:
         raise ConfigError("qrq worker needs Redis: set QRQ_REDIS_URL or [redis] url in qrq.toml")
-    if missing := backend.missing_api_key():
-        raise ConfigError(f"{missing}: export it before starting the worker")
-    if not backend.verify:
-        click.echo(f"qrq: warning: {backend.source}: backend.verify = false: the TLS "
-                   f"certificate of backend {backend.name!r} is not checked (anyone on the way "
-                   "can read and change its calls); trust its CA with ca_file instead", err=True)
+    for note in make_backend(backend).preflight():  # the kind's own checks, before anything
+        click.echo(f"qrq: {note}", err=True)
     check_redis(config)  # at start, one line; once running, an outage is ridden out
     known = config.backends.get(backend.name)
     if known is not None and Path(known.source).resolve() != Path(backend_file).resolve():
@@ -62,8 +57,6 @@ def worker_app(backend_file: str, config_path: str | None, concurrency: int | No
     app = QrqCelery(
         dataclasses.replace(config, backends={**config.backends, backend.name: backend})
     )
-    if "rewards.code:" in json.dumps([backend.function, backend.options]):
-        click.echo(_code_sandbox(backend_file, backend.options))
     if backend.pool.rate_limit:
         app.conf.task_annotations = {TASK_NAME: {"rate_limit": backend.pool.rate_limit}}
     argv = [
@@ -97,16 +90,6 @@ def worker_app(backend_file: str, config_path: str | None, concurrency: int | No
         call_pool(backend)  # its threads and connections exist before the first task
     register(app)  # before the pool forks: its children inherit the task
     return app, argv
-
-
-def _code_sandbox(backend_file: str, options: dict) -> str:
-    """Which sandbox a code-reward pool runs its programs in; refuses to start without one."""
-    from ..rewards import sandbox
-
-    try:
-        return sandbox.describe(unsafe=bool(options.get("unsafe")))
-    except sandbox.SandboxUnavailable as exc:
-        raise ConfigError(f"{backend_file}: {exc}") from None
 
 
 def busy_tasks_warning(backend: Backend, override: int | None) -> str | None:

@@ -23,6 +23,7 @@ import redis
 from celery.exceptions import Retry
 
 from .. import keys
+from ..backends import make_backend
 from ..broker import records
 from ..errors import Cancelled, DeadlineExceeded, TransientError
 from ..message import TASK_NAME, ChunkMessage, summary
@@ -169,9 +170,9 @@ def _settled(done: list[dict | None]) -> list[dict]:
 
 
 def _with_level(config, request, samples: list[dict]) -> list[dict]:
-    """A judge that sends the call's priority (`priority_field`) finds its message's
-    level on each sample (priority.CALL_LEVEL)."""
-    if not config.priority_field:
+    """A kind that sends the call's priority (a judge's `priority_field`) finds its
+    message's level on each sample (priority.CALL_LEVEL)."""
+    if not make_backend(config).sends_priority:
         return samples
     return stamped(samples, _level(request))
 

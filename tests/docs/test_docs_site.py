@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from support import ROOT
 
+from qreward_queue.backends import FunctionOptions, JudgeOptions, RewardModelOptions
 from qreward_queue.cli.main import cli
 from qreward_queue.config import model as settings
 
@@ -153,8 +154,12 @@ def test_cli_reference_has_every_command(site):
 
 
 def test_configuration_reference_has_every_setting(site):
-    classes = [c for c in vars(settings).values() if dataclasses.is_dataclass(c)]
+    classes = [c for c in vars(settings).values()
+               if dataclasses.is_dataclass(c) and dataclasses.fields(c)]  # not KindOptions
     assert sorted(c.__name__ for c in classes) == sorted(reference.TABLES)  # none left out
+    kinds = list(reference.kind_tables().values())
+    assert {JudgeOptions, RewardModelOptions, FunctionOptions} <= set(kinds)
+    classes += kinds
     generated = reference.settings_reference()
     page = (site / "configuration" / "index.html").read_text()
     for cls in classes:

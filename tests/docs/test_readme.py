@@ -184,7 +184,7 @@ def test_the_mock_judge_readme_starts_is_the_one_the_worker_files_are_sized_for(
     (line,) = [c for c in command_lines() if c.startswith("qrq mock-judge --port 8101")]
     options = cli.commands["mock-judge"].make_context("mock-judge", shlex.split(line)[2:]).params
     backend = load_backend(ROOT / "workers" / "mock-a.toml")
-    assert f":{options['port']}/" in backend.url
+    assert f":{options['port']}/" in backend.options.url
     assert options["rpm"] == backend.limits.rpm
     assert options["max_concurrent"] == backend.limits.max_concurrent and backend.pool.sized
 

@@ -1,17 +1,21 @@
-"""A backend kind is one class in `backends.KINDS`: adding one touches nothing else.
+"""A backend kind is one class with its options dataclass, plus one line in `backends.KINDS`:
+adding one touches nothing else.
 
 The kind below exists only in this file: a batched scorer on its own transport (a stand-in for
-a gRPC reward model) that takes 4 samples per call and reads an option of its own. The
-loader checks its keys, the planner and `qrq plan` count its calls, the chunker never cuts a
-call in two, the cache keys its scores by its own identity, and a real `qrq worker` (which
-registers it the same way) scores with it over real Redis.
+a gRPC reward model) that takes 4 samples per call and declares options of its own. The
+loader reads and checks its keys by the dataclass's fields, `qrq worker` runs its pre-flight
+check, the planner and `qrq plan` count its calls, the chunker never cuts a call in two, the
+cache keys its scores by its own identity, and a real `qrq worker` (which registers it the
+same way) scores with it over real Redis.
 """
 
 from __future__ import annotations
 
 import math
+import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import redis
@@ -20,14 +24,19 @@ from support import Worker, toml_tables, write_route_config
 
 import qreward_queue
 from qreward_queue import backends
-from qreward_queue.backends import BackendClient, Call, make_backend
+from qreward_queue.backends import (
+    BackendClient,
+    Call,
+    JudgeOptions,
+    RewardModelOptions,
+    make_backend,
+)
 from qreward_queue.backends.judge import JudgeBackend
 from qreward_queue.backends.reward_model import RewardModelBackend
 from qreward_queue.broker.cache import reward_identity
 from qreward_queue.cli.main import cli
 from qreward_queue.config.loader import load_backend, load_config
-from qreward_queue.config.model import Backend
-from qreward_queue.config.toml_table import Table
+from qreward_queue.config.model import Backend, KindOptions
 from qreward_queue.errors import ConfigError, RateLimited
 from qreward_queue.ops.plan import Workload, plan_route
 from qreward_queue.planning.routing import chunk_size, plan
@@ -37,34 +46,45 @@ PER_CALL = 4
 CALLS_KEY = "test:quad:calls"  # each call's size, pushed by the kind (in this test's database)
 
 
+@dataclass(frozen=True, kw_only=True)
+class QuadOptions(KindOptions):
+    """The stand-in kind's own keys of `[backend]`."""
+
+    scale: float = 1.0  # the score is len(response) x scale / 100
+    record_url: str | None = None  # a Redis the kind pushes each call's size to
+    needs: str | None = None  # an environment variable a worker must have to start
+
+
 class QuadBackend(BackendClient):
     """Scores len(response) x `scale` / 100, 4 samples per call; records each call's size."""
 
-    @classmethod
-    def read_options(cls, table: Table) -> dict[str, Any]:
-        options = table.get("options", dict, {}, expected="a table")
-        scale = options.get("scale", 1.0)
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0:
-            raise table.fail("options", "options.scale: a positive number")
-        return {"options": options}
+    Options: ClassVar[type[KindOptions]] = QuadOptions
+
+    def __init__(self, config: Backend):
+        super().__init__(config)
+        self.options = config.options_as(QuadOptions)
+
+    def preflight(self) -> list[str]:
+        if self.options.needs and self.options.needs not in os.environ:
+            raise ConfigError(f"{self.config.source}: quad needs ${self.options.needs}")
+        return [*super().preflight(), f"quad at scale {self.options.scale:g}"]
 
     @property
     def samples_per_call(self) -> int:
         return PER_CALL
 
     def identity(self) -> list[Any]:
-        return [*super().identity(), self.config.options.get("scale", 1.0)]
+        return [*super().identity(), self.options.scale]
 
     def call(self, samples: list[dict]) -> Call:
-        url = self.config.options.get("record_url")
-        if url:
-            with redis.Redis.from_url(url) as store:
+        if self.options.record_url:
+            with redis.Redis.from_url(self.options.record_url) as store:
                 store.rpush(CALLS_KEY, len(samples))
-        return Call([quad_score(self.config, s) for s in samples])
+        return Call([quad_score(self.options, s) for s in samples])
 
 
-def quad_score(config: Backend, sample: dict) -> float:
-    return len(sample["response"]) * config.options.get("scale", 1.0) / 100
+def quad_score(options: QuadOptions, sample: dict) -> float:
+    return len(sample["response"]) * options.scale / 100
 
 
 def register() -> None:
@@ -79,7 +99,7 @@ def quad_kind(monkeypatch):
 
 def quad_tables(**options) -> dict:
     return {
-        "backend": {"kind": "quad", "timeout_s": 10, "options": options},
+        "backend": {"kind": "quad", "timeout_s": 10, **options},
         "limits": {"max_concurrent": 16},
         "pool": {"concurrency": 1, "calls": 6},  # a round of calls: 6 samples, not whole calls
     }
@@ -102,11 +122,11 @@ def test_the_loader_asks_the_kind_for_its_keys(tmp_path, quad_kind):
     path = tmp_path / "q.toml"
     path.write_text(toml_tables(quad_tables(scale=2.0)))
     backend = load_backend(path)
-    assert backend.kind == "quad" and backend.options == {"scale": 2.0}
+    assert backend.kind == "quad" and backend.options == QuadOptions(scale=2.0)
     assert backend.pool.type == "threads" and not backend.pool.sized  # not a local kind
-    path.write_text(toml_tables(quad_tables(scale="big")))
-    with pytest.raises(ConfigError, match=r"q\.toml: backend\.options: expected "
-                                          r"options\.scale: a positive number"):
+    path.write_text(toml_tables(quad_tables(scale="big", colour="red")))
+    with pytest.raises(ConfigError, match=r"q\.toml: backend\.scale: expected a number, got "
+                                          r"'big'; backend\.colour: unknown key"):
         load_backend(path)
     unknown = qreward_queue.Config(None, {"g": Backend("g", "grpc")}, {})
     with pytest.raises(ConfigError, match=r"<memory>: backend 'g': unknown kind 'grpc' "
@@ -120,7 +140,7 @@ def test_the_loader_asks_the_kind_for_its_keys(tmp_path, quad_kind):
 
 @pytest.mark.parametrize("n", [1, 5, 13, 50, 100, 1000, 4096])
 def test_chunks_are_whole_calls(n, quad_kind):
-    backend = Backend("q", "quad")
+    backend = Backend("q", "quad", options=QuadOptions())
     assert make_backend(backend).split(samples_for(10, "s")) == [[0, 1, 2, 3], [4, 5, 6, 7],
                                                                  [8, 9]]
     assert chunk_size(backend, n) % PER_CALL == 0
@@ -152,16 +172,29 @@ def test_the_cache_keys_scores_by_the_kinds_identity(tmp_path, quad_kind):
     assert identity(1.0, "a") != identity(2.0, "c")  # an option the scores depend on
 
 
+def test_a_worker_runs_the_kinds_preflight_before_it_starts(tmp_path, redis_url, quad_kind,
+                                                          monkeypatch):
+    monkeypatch.delenv("QRQ_TEST_QUAD_NEEDS", raising=False)
+    config_path = quad_config(tmp_path, redis_url, needs="QRQ_TEST_QUAD_NEEDS")
+    out = CliRunner().invoke(cli, ["worker", str(tmp_path / "workers" / "q.toml"), "--config",
+                                   str(config_path)], prog_name="qrq")
+    assert out.exit_code == 2
+    assert out.stderr.strip() == (f"qrq: error: {tmp_path / 'workers' / 'q.toml'}: "
+                                  "quad needs $QRQ_TEST_QUAD_NEEDS")
+
+
 def test_http_kinds_teach_the_limiter_what_their_replies_say():
-    judge = JudgeBackend(Backend("j", "judge", url="http://127.0.0.1:1/v1"))
+    judge = JudgeBackend(Backend("j", "judge", options=JudgeOptions(url="http://127.0.0.1:1/v1",
+                                 model="m")))
     throttled = RateLimited("rate limited (429)", status_code=429,
                             headers={"retry-after": "3", "x-ratelimit-remaining-requests": "0"})
     told = judge.feedback(throttled)
     assert told.rate_limited and not told.answered and told.told.pause_s() == 3.0
-    ok = RewardModelBackend(Backend("r", "reward_model", url="http://127.0.0.1:1"))
+    ok = RewardModelBackend(Backend("r", "reward_model",
+                                    options=RewardModelOptions(url="http://127.0.0.1:1")))
     learned = ok.feedback(Call([1.0], 42, 200, {"x-ratelimit-limit-requests": "600"}))
     assert learned.answered and learned.tokens == 42 and learned.told.limit_requests == 600
-    silent = QuadBackend(Backend("q", "quad")).feedback(Call([1.0]))
+    silent = QuadBackend(Backend("q", "quad", options=QuadOptions())).feedback(Call([1.0]))
     assert not (silent.answered or silent.rate_limited or silent.timed_out)
     assert silent.tokens is None and silent.told.limit_requests is None
 
@@ -189,9 +222,10 @@ def test_a_real_worker_scores_with_the_new_kind(tmp_path, redis_url, redis_clien
 
     # Then each has the kind's score, and every call took 4 samples but the batch's last
     assert [o.status for o in outcomes] == ["ok"] * 50
-    assert [o.score for o in outcomes] == [quad_score(backend, s) for s in samples]
+    assert [o.score for o in outcomes] == [quad_score(backend.options, s) for s in samples]
     sizes = sorted(int(v) for v in redis_client.lrange(CALLS_KEY, 0, -1))
     assert sizes == [50 % PER_CALL] + [PER_CALL] * math.floor(50 / PER_CALL)
+    assert "qrq: quad at scale 2\n" in worker.log.read_text()  # its preflight's line
     # and the same samples again come from the cache, with no call made
     again = qreward_queue.submit_batch(samples, route="quad", app=app).outcomes(timeout=5)
     assert [o.status for o in again] == ["cached"] * 50

@@ -15,9 +15,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
-from support import free_port
+from support import backend_of, free_port
 
-from qreward_queue.backends import make_backend
+from qreward_queue.backends import JudgeOptions, make_backend
 from qreward_queue.backends.function import FunctionBackend
 from qreward_queue.backends.injection import fence, fence_note
 from qreward_queue.backends.judge import JudgeBackend
@@ -36,7 +36,7 @@ def unique(prefix: str) -> str:
 
 
 def judge_config(url: str, **overrides: Any) -> Backend:
-    return Backend(
+    return backend_of(
         **{
             "name": unique("judge"),
             "kind": "judge",
@@ -49,7 +49,7 @@ def judge_config(url: str, **overrides: Any) -> Backend:
 
 
 def rm_config(url: str, **overrides: Any) -> Backend:
-    return Backend(
+    return backend_of(
         **{
             "name": unique("rm"),
             "kind": "reward_model",
@@ -413,7 +413,7 @@ def rewards_module(tmp_path, monkeypatch) -> str:
 
 
 def function_config(path: str, **overrides: Any) -> Backend:
-    return Backend(name=unique("fn"), kind="function", function=path, chunk_size=16, **overrides)
+    return backend_of("function", name=unique("fn"), function=path, chunk_size=16, **overrides)
 
 
 def test_function_scores_every_sample(rewards_module):
@@ -603,9 +603,9 @@ def test_default_judge_file_bounds_scores_to_the_template_scale(tmp_path):
 
     path = tmp_path / "j.toml"
     path.write_text('[backend]\nkind = "judge"\nurl = "http://h/v1"\nmodel = "m"\n')
-    assert load_backend(path).score_range == (0.0, 1.0)
+    assert load_backend(path).options.score_range == (0.0, 1.0)
     path.write_text(path.read_text() + 'prompt_template = "Rate 1-10: {response}"\n')
-    assert load_backend(path).score_range is None
+    assert load_backend(path).options.score_range is None
 
 
 # --- ChunkRunner: every slot a chunk takes goes back, whatever raises -----------------------
@@ -648,8 +648,8 @@ def test_a_slot_woken_for_a_cancelled_caller_goes_to_the_next_waiter():
     from qreward_queue.worker.call_pool import CallSizing
 
     async def scenario() -> int:
-        config = Backend("j", "judge", url="http://h/v1", model="m",
-                         pool=Pool(calls=1, sized=False))
+        config = Backend("j", "judge", pool=Pool(calls=1, sized=False),
+                         options=JudgeOptions(url="http://h/v1", model="m"))
         slots = Slots(CallSizing(config))
         assert await slots.take(1) == 1  # the one slot is held
         cancelled = asyncio.ensure_future(slots.take(1))

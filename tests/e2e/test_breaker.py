@@ -15,7 +15,7 @@ import fakeredis
 import pytest
 from support import wait_for
 
-from qreward_queue.backends import Call
+from qreward_queue.backends import Call, FunctionOptions
 from qreward_queue.broker.app import QrqCelery
 from qreward_queue.config.model import Backend, Config, Limits, Pool, Retry, Route
 from qreward_queue.errors import RateLimited
@@ -189,7 +189,7 @@ def test_probe_answered_429_does_not_shut_the_backend(store, monkeypatch):
     trip(breaker)
     wait_out_cooldown(breaker)
     client = ScriptedClient(RateLimited("rate limited (429)", status_code=429), 0.5)
-    config = Backend(name="judge-a", kind="function", function="m:f")
+    config = Backend(name="judge-a", kind="function", options=FunctionOptions(function="m:f"))
     monkeypatch.setattr(call_path, "make_backend", lambda _config: client)
     # When a worker runs one sample through it
     result = ChunkRunner(config, None, breaker, attempt=1).run([{"prompt": "p",
@@ -268,7 +268,8 @@ def test_spread_with_all_zero_shares_falls_back_to_equal_parts():
 
 def config_with_chunks(sizes: dict[str, int]) -> Config:
     backends = {
-        name: Backend(name=name, kind="function", function="m:f", chunk_size=size)
+        name: Backend(name=name, kind="function", chunk_size=size,
+                      options=FunctionOptions(function="m:f"))
         for name, size in sizes.items()
     }
     return Config(redis_url=None, backends=backends, routes={})
@@ -321,7 +322,7 @@ def embedded_app(rpms: dict[str, float]) -> QrqCelery:
         name: Backend(
             name=name,
             kind="function",
-            function="m:f",
+            options=FunctionOptions(function="m:f"),
             chunk_size=1,
             limits=Limits(rpm=rpm),
             pool=Pool("threads", 4),

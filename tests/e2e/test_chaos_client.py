@@ -18,6 +18,7 @@ import redis
 from support import PrivateRedis, Worker, free_port, judge_backend, wait_for, write_config
 
 import qreward_queue
+from qreward_queue.backends import JudgeOptions
 from qreward_queue.backends.transport import post_json, post_json_async
 from qreward_queue.config.model import Backend
 from qreward_queue.errors import PermanentError, RedisUnreachable, TransientError
@@ -67,7 +68,8 @@ class RawServer:
 
 
 def judge(url: str, timeout_s: float = 2.0) -> Backend:
-    return Backend(name="hostile", kind="judge", url=url, model="m", timeout_s=timeout_s)
+    return Backend(name="hostile", kind="judge", timeout_s=timeout_s, options=JudgeOptions(url=url,
+                   model="m"))
 
 
 def test_a_trickling_reply_ends_at_the_calls_total_time_limit(post):
@@ -156,8 +158,8 @@ def test_an_api_key_with_a_line_break_is_refused_before_anything_is_sent(post, m
     server = RawServer(lambda conn: conn.sendall(OK_REPLY))
     url = f"http://127.0.0.1:{server.port}/v1"
     monkeypatch.setenv("QRQ_TEST_INJECTED_KEY", "sk-1\r\nX-Evil: 1")
-    backend = Backend(name="keyed", kind="judge", url=url, model="m", timeout_s=2,
-                      api_key_env="QRQ_TEST_INJECTED_KEY")
+    backend = Backend(name="keyed", kind="judge", timeout_s=2, api_key_env="QRQ_TEST_INJECTED_KEY",
+                      options=JudgeOptions(url=url, model="m"))
     try:
         with pytest.raises(PermanentError) as caught:
             post(backend, f"{url}/chat/completions", {"x": 1})

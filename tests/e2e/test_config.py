@@ -69,7 +69,7 @@ def test_shipped_qrq_toml_and_workers_load():
     assert mock_a.pool.sized and mock_a.pool.rate_limit is None  # README: sizing a pool
     assert mock_a.source.endswith("mock-a.toml")
     rm = config.backends["mock-rm"]
-    assert (rm.kind, rm.batch_size, rm.chunk_size) == ("reward_model", 16, None)
+    assert (rm.kind, rm.options.batch_size, rm.chunk_size) == ("reward_model", 16, None)
     exact = config.backends["exact-match"]
     assert (exact.kind, exact.pool.type, exact.chunk_size) == ("function", "prefork", 64)
 
@@ -81,7 +81,7 @@ def test_worker_templates_parse_when_copied(tmp_path, template):
     backend = load_backend(copy)
     assert backend.name == copy.stem
     assert backend.kind == "judge"
-    assert backend.url.startswith(("http://", "https://"))
+    assert backend.options.url.startswith(("http://", "https://"))
     if backend.api_key_env is not None:  # the NAME of a variable, never a key
         assert re.fullmatch(r"[A-Z_][A-Z0-9_]*", backend.api_key_env), backend.api_key_env
         assert not backend.api_key_env.lower().startswith("sk-")
@@ -355,9 +355,9 @@ def test_url_reads_env_references(tmp_path, monkeypatch):
     path = write_backend(tmp_path, "b", text)
     monkeypatch.setenv("QRQ_T_HOST", "judge-7")
     monkeypatch.delenv("QRQ_T_PORT", raising=False)
-    assert load_backend(path).url == "http://judge-7:8000/v1"  # the default
+    assert load_backend(path).options.url == "http://judge-7:8000/v1"  # the default
     monkeypatch.setenv("QRQ_T_PORT", "9001")
-    assert load_backend(path).url == "http://judge-7:9001/v1"
+    assert load_backend(path).options.url == "http://judge-7:9001/v1"
     monkeypatch.delenv("QRQ_T_HOST")
     message = config_error(load_backend, path)
     assert str(path) in message and "backend.url" in message and "QRQ_T_HOST" in message
@@ -365,7 +365,7 @@ def test_url_reads_env_references(tmp_path, monkeypatch):
 
 def test_shipped_mock_judge_hosts_follow_the_env(monkeypatch):
     monkeypatch.setenv("QRQ_MOCK_A_HOST", "mock-a.internal")
-    assert load_backend(ROOT / "workers" / "mock-a.toml").url == "http://mock-a.internal:8101/v1"
+    assert load_backend(ROOT / "workers" / "mock-a.toml").options.url == "http://mock-a.internal:8101/v1"
 
 
 def test_wrong_value_is_quoted_in_the_message(tmp_path):
@@ -408,7 +408,7 @@ def test_backend_defaults_and_explicit_values(tmp_path):
             """,
         )
     )
-    assert (rm.batch_size, rm.chunk_size) == (32, None)
+    assert (rm.options.batch_size, rm.chunk_size) == (32, None)
     assert rm.limits.rpm is None and rm.limits.max_concurrent is None  # 0 means no limit
     fn = load_backend(
         write_backend(
@@ -422,7 +422,7 @@ def test_template_with_known_placeholders_and_format_specs_loads(tmp_path):
     template = "{prompt!r} {response:>5} {reference} {data_source} {extra}"
     text = JUDGE + f'prompt_template = "{template}"\n'
     backend = load_backend(write_backend(tmp_path, "b", text))
-    assert "{response:>5}" in backend.prompt_template
+    assert "{response:>5}" in backend.options.prompt_template
 
 
 # --- bugs -----------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import pytest
 from support import judge_backend, wait_for, write_config
 
 import qreward_queue
+from qreward_queue.backends import JudgeOptions
 from qreward_queue.backends.judge import JudgeBackend
 from qreward_queue.broker.app import QrqCelery
 from qreward_queue.config.loader import load_config
@@ -230,7 +231,8 @@ def test_invalid_samples_raise_before_anything_is_queued(setup, judge):
 def idle_app(judge) -> Iterator[QrqCelery]:
     """An embedded app whose queue nobody consumes, so whatever was published stays there."""
     name = f"idle{time.monotonic_ns()}"
-    backend = Backend(name=name, kind="judge", url=judge.url + "/v1", model="m")
+    backend = Backend(name=name, kind="judge", options=JudgeOptions(url=judge.url + "/v1",
+                      model="m"))
     app = QrqCelery(Config(redis_url=None, backends={name: backend}, routes={}))
     yield app
     with app.connection_for_write() as conn:

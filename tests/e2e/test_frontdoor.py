@@ -21,6 +21,7 @@ import yaml
 from support import ROOT, Worker, free_port, judge_backend, wait_for, write_config
 
 import qreward_queue
+from qreward_queue.backends import JudgeOptions
 from qreward_queue.backends.transport import post_json
 from qreward_queue.broker.app import QrqCelery
 from qreward_queue.config.loader import load_backend, load_config
@@ -358,10 +359,11 @@ def test_k8s_has_one_deployment_per_pool_scaled_on_its_real_lists(file, redis_ur
 
 def test_connection_failure_names_the_url_without_credentials():
     port = free_port()
-    backend = Backend(name="j", kind="judge", url=f"http://user:pa55word@127.0.0.1:{port}/v1",
-                      model="m", timeout_s=2)
+    backend = Backend(name="j", kind="judge", timeout_s=2,
+                      options=JudgeOptions(url=f"http://user:pa55word@127.0.0.1:{port}/v1",
+                      model="m"))
     with pytest.raises(TransientError) as caught:
-        post_json(backend, f"{backend.url}/chat/completions", {"x": 1})
+        post_json(backend, f"{backend.options.url}/chat/completions", {"x": 1})
     assert f"connection to http://127.0.0.1:{port}/v1/chat/completions failed" \
         in str(caught.value)
     assert "pa55word" not in str(caught.value) and "user" not in str(caught.value)

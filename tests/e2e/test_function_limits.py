@@ -15,7 +15,7 @@ import pytest
 from support import ROOT, Worker, function_backend, pid_alive, toml_tables, wait_for, write_config
 
 import qreward_queue
-from qreward_queue.backends import make_backend
+from qreward_queue.backends import FunctionOptions, make_backend
 from qreward_queue.backends.function_runner import STARTUP_GRACE_S, runner
 from qreward_queue.config.loader import load_backend
 from qreward_queue.config.model import Backend, Pool
@@ -114,14 +114,9 @@ def test_embedded_mode_runs_signal_based_code_and_enforces_the_limit(tmp_path):
 
 
 def backend(**pool) -> Backend:
-    return Backend(
-        name="pids",
-        kind="function",
-        function="tests.rewards_for_tests:pid_score",
-        chunk_size=4,
-        timeout_s=10,
-        pool=Pool(type="prefork", **pool),
-    )
+    return Backend(name="pids", kind="function", chunk_size=4, timeout_s=10,
+                   pool=Pool(type="prefork", **pool),
+                   options=FunctionOptions(function="tests.rewards_for_tests:pid_score"))
 
 
 def test_helpers_are_recycled_after_max_tasks_per_child():
@@ -143,15 +138,10 @@ def test_helpers_are_recycled_above_max_memory_per_child():
 
 def test_direct_calls_report_each_failure_and_keep_scoring():
     client = make_backend(
-        Backend(
-            name="mis",
-            kind="function",
-            function="tests.rewards_for_tests:misbehave",
-            chunk_size=8,
-            timeout_s=1,
-            options={"bonus": 1.0},
-            pool=Pool(type="prefork", memory_limit_mb=1024),
-        )
+        Backend(name="mis", kind="function", chunk_size=8, timeout_s=1, pool=Pool(type="prefork",
+                memory_limit_mb=1024),
+                options=FunctionOptions(function="tests.rewards_for_tests:misbehave",
+                options={"bonus": 1.0}))
     )
     chunk = [sample("a"), sample("loop"), sample("die"), sample("bb"), sample("c_loop")]
     scores = client.call([*chunk, sample("ccc")]).scores
@@ -173,7 +163,7 @@ def test_limit_keys_are_read_and_checked(tmp_path):
     tables = limited(max_tasks_per_child=50, max_memory_per_child_mb=512)
     path.write_text(toml_tables(tables))
     loaded = load_backend(path)
-    assert loaded.timeout_s == 2 and loaded.options == {"bonus": 0.5}
+    assert loaded.timeout_s == 2 and loaded.options.options == {"bonus": 0.5}
     assert (loaded.pool.memory_limit_mb, loaded.pool.max_tasks_per_child) == (1024, 50)
     assert loaded.pool.max_memory_per_child_mb == 512
     tables["pool"]["memory_limit_mb"] = "lots"

@@ -8,6 +8,7 @@ import json
 import pytest
 from support import write_config
 
+from qreward_queue.backends import JudgeOptions
 from qreward_queue.config.loader import load_config
 from qreward_queue.config.model import Backend, GatewaySettings
 from qreward_queue.errors import ConfigError
@@ -95,7 +96,8 @@ def test_a_jobs_spend_reaches_redis_with_or_without_a_budget(tmp_path, redis_cli
         fh.write(budget)
     loaded = load_config(config)
     # the workers book each call's usage to its job (the gateway's key names the job)
-    spend = Ledger(redis_client, Backend("j", "judge", url="http://judge/v1", model="m"))
+    spend = Ledger(redis_client, Backend("j", "judge", options=JudgeOptions(url="http://judge/v1",
+                                         model="m")))
     spend.spent(Usage(30, 5), None, None, job="team-a")
     spend.spent(Usage(10, 5), None, None, job="team-a")
     spend.flush()

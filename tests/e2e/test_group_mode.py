@@ -143,7 +143,7 @@ def test_group_mode_keys_are_checked_with_one_line_naming_file_and_key(tmp_path)
         path.write_text(toml_tables(judge_backend("http://127.0.0.1:1", **backend)))
         return load_backend(path)
 
-    assert load(mode="group").group_max == 16
+    assert load(mode="group").options.group_max == 16
     for bad, key in [({"mode": "pairs"}, "backend.mode"),
                      ({"mode": "group", "group_template": "no slot"}, "backend.group_template"),
                      ({"mode": "group", "group_pattern": r"(\d+)"}, "backend.group_pattern"),

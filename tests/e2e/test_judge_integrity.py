@@ -113,14 +113,14 @@ def test_shipped_files_read_hostile_replies_right_or_as_errors(path, tmp_path) -
     if backend.kind != "judge":
         return
     judge = JudgeBackend(backend)
-    assert backend.fence and backend.score_range == (0.0, 1.0)
+    assert backend.options.fence and backend.options.score_range == (0.0, 1.0)
     for reply, response, right in HOSTILE:
         got = read(judge, reply, response)
         assert got is None if right is None else got in (None, right), (reply, got)
     for reply, right in HOSTILE_JSON:
         got = read(judge, reply, "4")
         assert got is None if right is None else got in (None, right), (reply, got)
-        if backend.structured and right is not None:
+        if backend.options.structured and right is not None:
             assert got == right
 
 

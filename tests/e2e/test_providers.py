@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from support import expected, judge_backend, start_workers, toml_tables, write_config
+from support import backend_of, expected, judge_backend, start_workers, toml_tables, write_config
 
 import qreward_queue
 from qreward_queue.backends import make_backend, transport
@@ -69,7 +69,7 @@ def proxy():
 
 
 def judge_config(url: str, **fields) -> Backend:
-    return Backend(name="j", kind="judge", url=url + "/v1", model="mock", timeout_s=10, **fields)
+    return backend_of("judge", name="j", url=url + "/v1", model="mock", timeout_s=10, **fields)
 
 
 def score_both_ways(config: Backend) -> list[float]:
@@ -156,10 +156,12 @@ def test_http_proxy_relays_plain_http_and_a_backend_proxy_overrides_the_environm
     monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
     transport._server.cache_clear()
     transport._forget_sockets()
-    assert score_both_ways(replace(config, proxy=proxy.url)) == [expected_score(config)] * 2
+    via_proxy = replace(config, options=replace(config.options, proxy=proxy.url))
+    assert score_both_ways(via_proxy) == [expected_score(config)] * 2
     assert proxy.counts["forwards"] == 4
     # and `proxy = ""` goes straight to the judge, whatever the environment says
-    assert score_both_ways(replace(config, proxy="")) == [expected_score(config)] * 2
+    direct = replace(config, options=replace(config.options, proxy=""))
+    assert score_both_ways(direct) == [expected_score(config)] * 2
     assert proxy.counts["forwards"] == 4
 
 
@@ -179,8 +181,9 @@ def test_a_proxy_refusing_the_tunnel_is_one_clear_line(tls_judge, certs):
 
 def anthropic_config(url: str, **fields) -> Backend:
     dialect = DIALECTS["anthropic"]
-    return judge_config(url, dialect="anthropic", auth=dialect.auth, headers=dialect.headers,
-                        api_key_env="QRQ_TEST_ANTHROPIC_KEY", **fields)
+    return judge_config(url, **{"dialect": "anthropic", "auth": dialect.auth,
+                                "headers": dialect.headers,
+                                "api_key_env": "QRQ_TEST_ANTHROPIC_KEY", **fields})
 
 
 def test_the_anthropic_dialect_speaks_the_messages_api(monkeypatch):
@@ -215,7 +218,7 @@ def test_an_anthropic_529_is_flow_control_as_a_429_is(plain_judge, monkeypatch):
 
 def test_the_anthropic_dialect_without_its_key_header_is_refused(plain_judge, monkeypatch):
     monkeypatch.setenv("QRQ_TEST_ANTHROPIC_KEY", "sk-ant-test-key-0123456789")
-    client = make_backend(replace(anthropic_config(plain_judge.url), auth="none"))
+    client = make_backend(anthropic_config(plain_judge.url, auth="none"))
     with pytest.raises(PermanentError, match="request rejected with 401") as caught:
         client.call([SAMPLE])
     assert "authentication_error" in caught.value.detail
@@ -468,5 +471,5 @@ def test_provider_templates_speak_their_dialect_and_leave_sizing_to_the_worker(
     file, dialect, auth
 ):
     backend = load_backend(Path(__file__).resolve().parents[2] / "workers" / file)
-    assert (backend.dialect, backend.auth) == (dialect, auth)
+    assert (backend.options.dialect, backend.options.auth) == (dialect, auth)
     assert backend.pool.sized  # 3 x rpm/60 x latency calls in flight (README: sizing a pool)

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from qreward_queue.backends import make_backend
+from qreward_queue.backends import FunctionOptions, make_backend
 from qreward_queue.backends.function_runner import load_function
 from qreward_queue.config.loader import load_backend
 from qreward_queue.config.model import Backend
 from qreward_queue.errors import PermanentError
+from qreward_queue.rewards import sandbox
 from qreward_queue.rewards.combine import weighted_sum
 from qreward_queue.rewards.format import format_reward, has_structure, repetition
 from qreward_queue.rewards.math import extract_answer, fast_equal, math_reward
@@ -152,23 +153,17 @@ def test_weighted_sum_of_format_and_math():
 
 
 def test_rewards_through_the_function_backend_with_options():
-    combined = Backend(
-        name="fm",
-        kind="function",
-        function="qreward_queue.rewards.combine:weighted_sum",
-        chunk_size=8,
-        timeout_s=30,
-        options={
-            "parts": [
-                {
-                    "function": "qreward_queue.rewards.format:format_reward",
-                    "weight": 0.5,
-                    "options": {"tags": ["answer"]},
-                },
-                {"function": "qreward_queue.rewards.math:math_reward", "weight": 1.0},
-            ]
+    parts = [
+        {
+            "function": "qreward_queue.rewards.format:format_reward",
+            "weight": 0.5,
+            "options": {"tags": ["answer"]},
         },
-    )
+        {"function": "qreward_queue.rewards.math:math_reward", "weight": 1.0},
+    ]
+    combined = Backend(name="fm", kind="function", chunk_size=8, timeout_s=30,
+                       options=FunctionOptions(function="qreward_queue.rewards.combine:weighted_sum",
+                                               options={"parts": parts}))
     scores = (
         make_backend(combined)
         .call(
@@ -184,12 +179,26 @@ def test_rewards_through_the_function_backend_with_options():
     assert isinstance(scores[2], PermanentError) and "'reference' is empty" in str(scores[2])
 
 
+def test_a_code_reward_backend_names_its_sandbox_before_a_worker_starts():
+    code = {"function": "qreward_queue.rewards.code:code_reward", "options": {"unsafe": True}}
+    parts = [code, code, {"function": "qreward_queue.rewards.format:format_reward"}]
+    combined = Backend("c", "function", options=FunctionOptions(
+        function="qreward_queue.rewards.combine:weighted_sum", options={"parts": parts}))
+    # the sandbox in force here, probed (bwrap, else unshare, else none as unsafe allows)
+    line = sandbox.describe(unsafe=True)
+    assert line.startswith("code sandbox: ")
+    assert make_backend(combined).preflight() == [line]  # once, for the parts that need it
+    plain = Backend("f", "function", options=FunctionOptions(
+        function="qreward_queue.rewards.format:format_reward"))
+    assert make_backend(plain).preflight() == []
+
+
 @pytest.mark.parametrize("name", ["math", "format", "code", "format-math"])
 def test_example_backend_files_load(name):
     backend = load_backend(ROOT / "examples" / "workers" / f"{name}.toml")
     assert backend.name == name and backend.kind == "function"
-    assert load_function(backend.function)
-    for part in backend.options.get("parts", []):
+    assert load_function(backend.options.function)
+    for part in backend.options.options.get("parts", []):
         assert load_function(part["function"])
 
 

@@ -20,7 +20,7 @@ from textwrap import dedent
 import psutil
 import pytest
 
-from qreward_queue.backends import make_backend
+from qreward_queue.backends import FunctionOptions, make_backend
 from qreward_queue.config.model import Backend, Pool
 from qreward_queue.rewards import cgroups, sandbox
 from qreward_queue.rewards.code import code_reward
@@ -323,15 +323,10 @@ def test_5_no_leftover_process_file_host_proc_socket_or_data_set(mechanism, tmp_
 def test_5_a_function_backends_child_in_a_new_session_does_not_outlive_its_sample():
     marker = f"qrq-fn-leftover-{uuid.uuid4().hex[:8]}"
     client = make_backend(
-        Backend(
-            name="spawner",
-            kind="function",
-            function="tests.rewards_for_tests:spawn_and_return",
-            chunk_size=2,
-            timeout_s=2,
-            options={"marker": marker},
-            pool=Pool(type="prefork"),
-        )
+        Backend(name="spawner", kind="function", chunk_size=2, timeout_s=2,
+                pool=Pool(type="prefork"),
+                options=FunctionOptions(function="tests.rewards_for_tests:spawn_and_return",
+                options={"marker": marker}))
     )
     scores = client.call([{"prompt": "", "response": "ok"}, {"prompt": "", "response": "hang"}])
     assert scores.scores[0] == 1.0 and scores.scores[1].status == "timeout"

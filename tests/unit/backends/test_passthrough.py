@@ -7,14 +7,15 @@ import json
 
 import pytest
 
+from qreward_queue.backends import JudgeOptions
 from qreward_queue.backends.judge import JudgeBackend
 from qreward_queue.backends.passthrough import COMPLETIONS, ENDPOINT, REQUEST
 from qreward_queue.backends.transport import Reply
 from qreward_queue.config.model import Backend
 from qreward_queue.errors import PermanentError
 
-JUDGE = JudgeBackend(Backend(name="j", kind="judge", url="http://127.0.0.1:1/v1",
-                             model="judge-model", max_tokens=16))
+JUDGE = JudgeBackend(Backend(name="j", kind="judge", options=JudgeOptions(
+    url="http://127.0.0.1:1/v1", model="judge-model", max_tokens=16)))
 BODY = {"model": "qrq/route", "messages": [{"role": "user", "content": "x" * 400}],
         "max_tokens": 100, "temperature": 0.5, "logprobs": True}
 CHAT = {"prompt": "", "response": "", "extra": {REQUEST: BODY, "request": "r1"}}
@@ -36,8 +37,8 @@ def test_a_text_completion_goes_to_the_completions_endpoint():
     tokens_in, tokens_out = JUDGE.estimate_usage([text])
     assert 100 <= tokens_in < 110 and tokens_out == 30  # the prompt, the caller's max_tokens
     assert JUDGE.input_bytes([text]) == len(json.dumps(body["prompt"]))
-    claude = JudgeBackend(Backend(name="c", kind="judge", url="http://127.0.0.1:1/v1",
-                                  model="claude", dialect="anthropic"))
+    claude = JudgeBackend(Backend(name="c", kind="judge", options=JudgeOptions(
+        url="http://127.0.0.1:1/v1", model="claude", dialect="anthropic")))
     with pytest.raises(PermanentError, match="anthropic dialect has no text completions"):
         claude.url([text])
 

@@ -8,6 +8,7 @@ import fakeredis
 import pytest
 
 from qreward_queue import keys
+from qreward_queue.backends import JudgeOptions
 from qreward_queue.broker.cache import (
     ScoreCache,
     content_key,
@@ -20,7 +21,8 @@ from qreward_queue.samples import Outcome
 
 SAMPLE = {"id": "a", "prompt": "2+2?", "response": "4", "reference": "4",
           "data_source": "math", "extra": {"level": 1, "tags": ["x"]}}
-JUDGE = Backend(name="judge-c", kind="judge", url="http://judge.invalid/v1", model="m-1")
+JUDGE = Backend(name="judge-c", kind="judge", options=JudgeOptions(url="http://judge.invalid/v1",
+                model="m-1"))
 ROUTE = Route(name="graded", backends=("judge-c",), weights=(1.0,), cache=True)
 
 
@@ -114,14 +116,17 @@ def test_the_identity_changes_when_the_reward_would_score_differently(change):
     # Given a route's judge, and the same judge with a setting that decides its scores changed
     before = reward_identity(config_with(JUDGE), ROUTE)
     # When the identity is made again, Then it differs
-    assert reward_identity(config_with(replace(JUDGE, **change)), ROUTE) != before
+    changed = replace(JUDGE, options=replace(JUDGE.options, **change))
+    assert reward_identity(config_with(changed), ROUTE) != before
 
 
 def test_the_identity_stays_when_only_how_to_reach_the_judge_changes():
-    # Given the same judge with a longer timeout
+    # Given the same judge with a longer timeout, or at another address
     before = reward_identity(config_with(JUDGE), ROUTE)
+    moved = replace(JUDGE, options=replace(JUDGE.options, url="http://judge-2.invalid/v1"))
     # When the identity is made again, Then it is the same (cached scores stay good)
     assert reward_identity(config_with(replace(JUDGE, timeout_s=120.0)), ROUTE) == before
+    assert reward_identity(config_with(moved), ROUTE) == before
 
 
 def test_the_identity_changes_with_the_route_and_its_ensemble():

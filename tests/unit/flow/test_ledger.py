@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import fakeredis
 import pytest
-from support import wait_for
+from support import backend_of, wait_for
 
 from qreward_queue import keys
 from qreward_queue.config.model import Backend, Budget, Price
@@ -26,7 +26,7 @@ from qreward_queue.ops import job_spend
 
 HOUR = 493_000  # UTC hours since the epoch, pinned
 PRICE = Price(input_per_million=2.0, output_per_million=8.0)
-JUDGE = Backend(name="judge-l", kind="judge", url="http://judge.invalid/v1")
+JUDGE = backend_of("judge", name="judge-l", url="http://judge.invalid/v1", model="m")
 FLUSHED_WITHIN_S = 5.0  # the flushing thread writes within FLUSH_EVERY_S; a loaded box may lag
 
 

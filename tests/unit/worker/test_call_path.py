@@ -14,7 +14,7 @@ import fakeredis
 import pytest
 from prometheus_client import CollectorRegistry
 
-from qreward_queue.backends import BackendClient, Call
+from qreward_queue.backends import BackendClient, Call, JudgeOptions
 from qreward_queue.config.model import Backend, Budget, Retry
 from qreward_queue.errors import (
     BudgetExceeded,
@@ -35,7 +35,8 @@ from qreward_queue.worker.call_path import CallPath
 
 BATCH = [{"prompt": "2+2?", "response": "4"}]  # 5 bytes to read
 BATCH_ID = "batch-1"
-CONFIG = Backend(name="judge-u", kind="judge", url="http://judge.invalid/v1")
+CONFIG = Backend(name="judge-u", kind="judge", options=JudgeOptions(url="http://judge.invalid/v1",
+                 model="m"))
 HEDGE_AFTER_S = 0.01  # a reply later than this gets a hedge
 
 
