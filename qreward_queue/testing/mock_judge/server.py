@@ -113,7 +113,7 @@ from urllib.parse import urlsplit
 
 import click
 
-from ..flow.ratelimit_headers import parse_duration
+from ...flow.ratelimit_headers import parse_duration
 
 Json = dict[str, Any]
 
@@ -962,7 +962,7 @@ def spawn(settings: MockJudgeSettings | None = None, timeout_s: float = 10.0) ->
         options += [f"--{name}" if value else f"--no-{name}"] if isinstance(value, bool) \
             else [f"--{name}", str(value)]
     # make the package importable whatever the caller's working directory is
-    paths = [str(Path(__file__).absolute().parents[2]), os.environ.get("PYTHONPATH", "")]
+    paths = [str(Path(__file__).absolute().parents[3]), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths))}
     process = subprocess.Popen(
         [sys.executable, "-m", "qreward_queue.testing.mock_judge", *options],
@@ -1039,6 +1039,3 @@ def mock_judge_cli(**options: Any) -> None:
     finally:
         judge.stop()
 
-
-if __name__ == "__main__":
-    mock_judge_cli()
