@@ -228,7 +228,7 @@ def exists(name: str) -> bool:
 def test_every_module_the_architecture_page_names_exists():
     names = named_modules(ARCHITECTURE)
     assert {"trainer/client.py", "worker/tasks.py", "flow/lua/", "ops/status.py",
-            "backends/transport.py", "testing/mock_judge.py"} <= names  # the parse finds them
+            "backends/transport.py", "testing/mock_judge/"} <= names  # the parse finds them
     assert not sorted(n for n in names if not exists(n))
 
 
