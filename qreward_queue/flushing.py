@@ -8,10 +8,11 @@ thread calls it then.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from typing import Protocol
+
+from .background import Daemon, PerProcess
 
 
 class Flushable(Protocol):
@@ -22,15 +23,12 @@ class _Flusher:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._due: dict[Flushable, float] = {}
-        self._thread: threading.Thread | None = None
+        self._thread = Daemon("qrq-flusher", self._run)
 
     def flush_at(self, target: Flushable, when: float) -> None:
         with self._cond:
             self._due[target] = min(when, self._due.get(target, when))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="qrq-flusher",
-                                                daemon=True)
-                self._thread.start()
+            self._thread.ensure()
             self._cond.notify()
 
     def _run(self) -> None:
@@ -48,17 +46,9 @@ class _Flusher:
                 target.flush()
 
 
-_flusher = _Flusher()
+_flusher = PerProcess(_Flusher)  # a forked child's work is its own, flushed by its own thread
 
 
 def flush_at(target: Flushable, when: float) -> None:
     """Call `target.flush()` on the flushing thread at `when` (time.monotonic())."""
-    _flusher.flush_at(target, when)
-
-
-def _new_flusher() -> None:
-    global _flusher
-    _flusher = _Flusher()  # the parent's thread does not exist in a forked child
-
-
-os.register_at_fork(after_in_child=_new_flusher)
+    _flusher.get().flush_at(target, when)

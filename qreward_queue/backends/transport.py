@@ -29,7 +29,6 @@ import asyncio
 import base64
 import contextlib
 import json
-import os
 import socket
 import ssl
 import threading
@@ -43,6 +42,7 @@ from urllib.request import getproxies_environment, proxy_bypass
 
 import httptools
 
+from ..background import PerProcess
 from ..config.model import Backend
 from ..config.toml_table import expand_env
 from ..errors import ConfigError, PermanentError, RateLimited, ScoringError, TransientError
@@ -61,17 +61,9 @@ AUTH_HEADERS = {  # `auth` in a backend file: how the API key is sent
 MAX_HEAD_BYTES = 64 << 10  # a proxy's answer to CONNECT
 MAX_REPLY_BYTES = 8 << 20
 CONNECT_TIMEOUT_S = 5.0
-_local = threading.local()
-_idle: dict[_Server, list[_Connection]] = {}  # the call loop's kept-alive connections
-
-
-def _forget_sockets() -> None:
-    global _local
-    _local = threading.local()  # a forked child must not share its parent's sockets
-    _idle.clear()
-
-
-os.register_at_fork(after_in_child=_forget_sockets)
+# a forked child must not share its parent's sockets: it opens its own
+_local = PerProcess(threading.local)
+_idle: PerProcess[dict[_Server, list[_Connection]]] = PerProcess(dict)  # the call loop's
 
 
 @dataclass
@@ -161,7 +153,7 @@ def _tls(ca_file: str | None = None, verify: bool = True) -> ssl.SSLContext:
 
 def _kept() -> dict[_Server, socket.socket]:
     """This thread's kept-alive sockets, by server."""
-    return _local.__dict__.setdefault("sockets", {})
+    return _local.get().__dict__.setdefault("sockets", {})
 
 
 def _failed(server: _Server, exc: BaseException) -> TransientError:
@@ -220,7 +212,7 @@ async def connect_async(config: Backend, url: str) -> None:
     """`connect` for the call loop: one more kept-alive connection to `url`'s server."""
     with contextlib.suppress(ScoringError):
         server = _server_of(config, url)
-        _idle.setdefault(server, []).append(await _connect_async(server, config.timeout_s))
+        _idle.get().setdefault(server, []).append(await _connect_async(server, config.timeout_s))
 
 
 def _options(config: Backend) -> HttpOptions:
@@ -257,7 +249,7 @@ async def post_json_async(config: Backend, url: str, payload: dict) -> Reply:
         except asyncio.CancelledError:  # a hedge answered first: this exchange is abandoned
             conn.close()
             raise
-        keep = partial(_idle.setdefault(server, []).append, conn)
+        keep = partial(_idle.get().setdefault(server, []).append, conn)
         if (reply := _finished(config, server, conn, outcome, reused, keep)) is not None:
             return reply
 
@@ -434,7 +426,7 @@ def _exchange(sock: socket.socket, request: bytes, deadline: float) -> _Response
 
 async def _take_connection(server: _Server, deadline: float) -> tuple[_Connection, bool]:
     """A kept-alive connection of the loop to `server` (True), or a new one (False)."""
-    idle = _idle.setdefault(server, [])
+    idle = _idle.get().setdefault(server, [])
     while idle:
         conn = idle.pop()
         if not conn.closed:  # else the server closed it while it was idle

@@ -13,7 +13,6 @@ the key's TTL is the configured lease minus that (keys.lease_ttl_ms), so workers
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import weakref
@@ -22,6 +21,7 @@ from typing import Any
 import redis
 
 from .. import keys
+from ..background import Daemon, PerProcess
 
 CHECK_EVERY_S = 0.25  # a worker looks at a batch's lease at most this often
 RETRY_S = 0.5  # a renewal that failed (Redis away) is tried again this soon
@@ -49,7 +49,7 @@ class _Renewer:
         self._lock = threading.Lock()
         self._held: dict[str, tuple[redis.Redis, int]] = {}
         self._scripts: dict[int, Any] = {}
-        self._thread: threading.Thread | None = None
+        self._thread = Daemon("qrq-lease", self._run)
 
     def hold(self, store: redis.Redis, batch_id: str, lease_s: float) -> None:
         ttl_ms = keys.lease_ttl_ms(lease_s)
@@ -57,9 +57,7 @@ class _Renewer:
         with self._lock:
             self._held[batch_id] = (store, ttl_ms)
             self._scripts.setdefault(id(store), store.register_script(_RENEW))
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="qrq-lease", daemon=True)
-                self._thread.start()
+            self._thread.ensure()
 
     def drop(self, batch_id: str) -> None:
         with self._lock:
@@ -83,31 +81,24 @@ class _Renewer:
             time.sleep(min(wait, 5.0))
 
 
-_renewer = _Renewer()
-
-
-def _after_fork() -> None:
-    global _renewer
-    _renewer = _Renewer()  # the parent's batches are the parent's to keep alive
-
-
-os.register_at_fork(after_in_child=_after_fork)
+_renewer = PerProcess(_Renewer)  # a forked child: the parent's batches are the parent's
 
 
 def hold(owner: object, store: redis.Redis, batch_id: str, lease_s: float) -> None:
     """Keep `batch_id`'s lease live while `owner` (the RewardBatch) exists and until `end`."""
-    _renewer.hold(store, batch_id, lease_s)
-    weakref.finalize(owner, _renewer.drop, batch_id)  # a batch nobody holds: let it lapse
+    renewer = _renewer.get()
+    renewer.hold(store, batch_id, lease_s)
+    weakref.finalize(owner, renewer.drop, batch_id)  # a batch nobody holds: let it lapse
 
 
 def release(batch_id: str) -> None:
     """Stop renewing `batch_id`'s lease (it lapses; workers past the deadline stop anyway)."""
-    _renewer.drop(batch_id)
+    _renewer.get().drop(batch_id)
 
 
 def end(store: redis.Redis, batch_id: str, state: bytes, keep_s: float) -> None:
     """Stop renewing and tell workers why (`cancelled` or `done`), for `keep_s`."""
-    _renewer.drop(batch_id)
+    _renewer.get().drop(batch_id)
     store.set(keys.lease(batch_id), state, px=int(max(keep_s, 1.0) * 1000))
 
 

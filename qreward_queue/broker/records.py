@@ -16,7 +16,6 @@ Redis command is paid per flush and per chunk, not per sample.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -27,6 +26,7 @@ from celery import signals
 from celery.states import READY_STATES
 
 from .. import flushing, keys
+from ..background import PerProcess
 from ..message import TASK_NAME
 
 FLUSH_EVERY_S = 0.02
@@ -56,9 +56,10 @@ def read_inbox(store: redis.Redis, inbox: str, after: bytes, block_ms: int,
     trip (only this process reads its inbox). Redis is waited on in Redis (XREAD BLOCK); an
     `in_process` store (embedded mode's, whose workers are threads of this process) on this
     process's announcements, since its blocking read would wake at every write it gets."""
-    seen = _news.count
+    news = _news.get()
+    seen = news.count
     after, finished = _read(store, inbox, after, None if in_process else block_ms or None)
-    if finished or not in_process or not block_ms or not _news.wait_past(seen, block_ms):
+    if finished or not in_process or not block_ms or not news.wait_past(seen, block_ms):
         return after, finished
     return _read(store, inbox, after, None)
 
@@ -98,7 +99,7 @@ class _News:
             return self._cond.wait_for(lambda: self.count != seen, ms / 1000)
 
 
-_news = _News()
+_news = PerProcess(_News)  # the parent's waiters do not exist in a forked child
 
 
 def _announce(pipe: Any, batch_id: str, keep_s: int, **fields: str) -> None:
@@ -119,7 +120,7 @@ def _announce_end(task: Any = None, task_id: str | None = None, kwargs: dict | N
         with task.app.store.pipeline(transaction=False) as pipe:
             _announce(pipe, batch, _keep_s(kwargs.get("deadline")), end=task_id)  # type: ignore[union-attr]
             pipe.execute()
-        _news.told()
+        _news.get().told()
     except _REDIS_DOWN:  # the client's watchdog reads the result at its next look
         pass
 
@@ -170,17 +171,7 @@ class Recorder:
                 logged = ",".join(f"[{i},{outcome}]" for i, outcome in batch.items())
                 _announce(pipe, self.batch_id, self.keep_s, r=f"[{logged}]")
                 pipe.execute()
-            _news.told()
+            _news.get().told()
         except _REDIS_DOWN:  # the next record schedules the next try (or the task's last flush)
             with self._lock:
                 self._buffer = {**batch, **self._buffer}
-
-
-
-
-def _new_news() -> None:
-    global _news
-    _news = _News()  # the parent's waiters do not exist in a forked child
-
-
-os.register_at_fork(after_in_child=_new_news)

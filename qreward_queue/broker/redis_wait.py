@@ -12,7 +12,6 @@ until the deadline.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +19,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
 import redis
+
+from ..background import PerProcess
 
 log = logging.getLogger("qreward_queue")
 _T = TypeVar("_T")
@@ -37,20 +38,12 @@ def _new_pool() -> ThreadPoolExecutor:
                               initializer=setattr, initargs=(_local, "helper", True))
 
 
-_pool = _new_pool()
-
-
-def _reset_after_fork() -> None:
-    global _pool
-    _pool = _new_pool()  # the parent's helper threads do not exist in the child
-
-
-os.register_at_fork(after_in_child=_reset_after_fork)
+_pool = PerProcess(_new_pool)  # the parent's helper threads do not exist in a forked child
 
 
 def submit(fn: Callable[[], _T]) -> Future[_T]:
     """Start `fn` (a call on Redis) on a helper thread; wait for it with `result`."""
-    return _pool.submit(fn)
+    return _pool.get().submit(fn)
 
 
 def result(future: Future[_T], seconds: float) -> _T:

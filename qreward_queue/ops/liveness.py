@@ -18,6 +18,7 @@ from collections.abc import Iterable, Iterator
 import redis
 
 from .. import keys
+from ..background import Daemon
 
 log = logging.getLogger("qreward_queue")
 
@@ -113,7 +114,7 @@ class HeldKeeper:
         self._lock = threading.Lock()
         self._running: dict[str, tuple[redis.Redis, str, int]] = {}
         self._ended: dict[str, redis.Redis] = {}  # tasks whose key is still to be deleted
-        self._thread: threading.Thread | None = None
+        self._thread = Daemon("qrq-held", self._run)
 
     @contextlib.contextmanager
     def holding(self, store: redis.Redis, task_id: str, node: str, ttl_s: int,
@@ -122,9 +123,7 @@ class HeldKeeper:
         block raised one of `keeps` (the task goes on later)."""
         with self._lock:
             self._running[task_id] = (store, node, ttl_s)
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="qrq-held", daemon=True)
-                self._thread.start()
+            self._thread.ensure()
         ended = True
         try:
             yield

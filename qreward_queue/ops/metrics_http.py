@@ -7,10 +7,11 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import os
-import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+from .. import background
 
 TOKEN_ENV = "QRQ_METRICS_TOKEN"
 LOCAL = "127.0.0.1"
@@ -36,7 +37,7 @@ def serve_metrics(registry: Any, host: str, port: int) -> None:
     if token:
         app = _bearer(app, token)
     server = make_server(host, port, app, ThreadingWSGIServer, handler_class=_Quiet)
-    threading.Thread(target=server.serve_forever, name="qrq-metrics", daemon=True).start()
+    background.thread("qrq-metrics", server.serve_forever)
 
 
 def _bearer(app: _App, token: str) -> _App:

@@ -30,6 +30,7 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..background import Daemon, PerProcess
 from ..planning.routing import grouped, pack
 from ..priority import Priority
 from ..samples import Outcome
@@ -101,7 +102,7 @@ class MicroBatcher:
         self._pid = os.getpid()
         self._cond = threading.Condition()
         self._queues: dict[_Key, _Queue] = {}
-        self._thread: threading.Thread | None = None
+        self._thread = Daemon("qrq-microbatcher", self._run)
 
     def submit(
         self,
@@ -131,10 +132,7 @@ class MicroBatcher:
                 held.items.append((sample, future))
                 if held.size is not None and len(held.items) >= held.size:  # complete
                     queue.add(queue.held.pop(group).items, now)
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="qrq-microbatcher",
-                                                daemon=True)
-                self._thread.start()
+            self._thread.ensure()
             if queue.ready_since == now or queue.ready >= self.max_items:
                 self._cond.notify()
         return future
@@ -258,31 +256,21 @@ def _settle(future: Future[Outcome], value: Outcome | BaseException) -> None:
         pass
 
 
-_batcher: MicroBatcher | None = None
-_lock = threading.Lock()
+def _from_env() -> MicroBatcher:
+    env = os.environ.get
+    return MicroBatcher(int(env("QRQ_BATCH_MAX_ITEMS", 64)),
+                        float(env("QRQ_BATCH_MAX_WAIT_MS", 20)),
+                        float(env("QRQ_BATCH_GROUP_WAIT_MS", 2000)),
+                        int(env("QRQ_BATCH_GROUP_SIZE", 0)) or None)
+
+
+_batcher = PerProcess(_from_env)
 
 
 def default_batcher() -> MicroBatcher:
     """This process's batcher (a forked child gets its own; settings from QRQ_BATCH_MAX_ITEMS,
     QRQ_BATCH_MAX_WAIT_MS, QRQ_BATCH_GROUP_WAIT_MS and QRQ_BATCH_GROUP_SIZE)."""
-    global _batcher
-    with _lock:
-        if _batcher is None:
-            env = os.environ.get
-            _batcher = MicroBatcher(int(env("QRQ_BATCH_MAX_ITEMS", 64)),
-                                    float(env("QRQ_BATCH_MAX_WAIT_MS", 20)),
-                                    float(env("QRQ_BATCH_GROUP_WAIT_MS", 2000)),
-                                    int(env("QRQ_BATCH_GROUP_SIZE", 0)) or None)
-        return _batcher
-
-
-def _forget_after_fork() -> None:
-    global _batcher, _lock
-    _batcher, _lock = None, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_after_fork)
+    return _batcher.get()
 
 
 async def score_one(

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from .. import keys
+from .. import background, keys
 from ..broker import records, redis_wait
 from ..broker.app import REDIS_READ_TIMEOUT_S, QrqCelery
 from .per_app import PerApp
@@ -100,8 +100,7 @@ class Reader:
             # the blocking read runs on a thread of its own: a frozen Redis never holds the
             # reader past a deadline, and a long block holds none of redis_wait's helpers
             self._inbox = ThreadPoolExecutor(1, thread_name_prefix="qrq-inbox")
-            self._thread = threading.Thread(target=self._run, name="qrq-reader", daemon=True)
-            self._thread.start()
+            self._thread = background.thread("qrq-reader", self._run)
 
     def _run(self) -> None:
         try:

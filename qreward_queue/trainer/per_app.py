@@ -3,11 +3,10 @@ first use, and forgotten in a forked child (the parent's threads are the parent'
 
 from __future__ import annotations
 
-import os
-import threading
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from ..background import PerProcess
 from ..broker.app import QrqCelery
 
 T = TypeVar("T")
@@ -18,17 +17,11 @@ class PerApp(Generic[T]):
 
     def __init__(self, make: Callable[[QrqCelery], T]):
         self._make = make
-        self._made: dict[int, tuple[QrqCelery, T]] = {}
-        self._lock = threading.Lock()
-        os.register_at_fork(after_in_child=self._forget)
+        self._made: PerProcess[dict[int, tuple[QrqCelery, T]]] = PerProcess(dict)
 
     def get(self, app: QrqCelery) -> T:
-        with self._lock:
-            found = self._made.get(id(app))
+        with self._made.locked() as made:
+            found = made.get(id(app))
             if found is None or found[0] is not app:  # an id reused by a newer app
-                found = self._made[id(app)] = (app, self._make(app))
+                found = made[id(app)] = (app, self._make(app))
             return found[1]
-
-    def _forget(self) -> None:
-        self._lock = threading.Lock()
-        self._made.clear()

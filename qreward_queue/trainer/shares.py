@@ -32,6 +32,7 @@ from typing import Protocol
 import redis
 
 from .. import keys
+from ..background import Daemon
 from ..broker.app import QrqCelery
 from ..message import job_problem
 from ..planning.capacity import backend_rate
@@ -74,7 +75,7 @@ class Gate:
         self._wake = threading.Event()
         self._held: dict[tuple[str, int, str], deque[Held]] = {}
         self._rates: dict[str, tuple[float, float]] = {}  # backend -> (read at, samples/s)
-        self._thread: threading.Thread | None = None
+        self._thread = Daemon("qrq-shares", self._run)
 
     def shares(self, backend: str) -> bool:
         """Whether `backend`'s queue is shared by the gate: only a backend with an rpm limit
@@ -90,11 +91,7 @@ class Gate:
                 self._held.setdefault((chunk.backend, level, job), deque()).append(
                     Held(owner, task_id, chunk))
         self.check(slots)
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="qrq-shares",
-                                                daemon=True)
-                self._thread.start()
+        self._thread.ensure()
         self._wake.set()
 
     def drop(self, owner: Owner) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from celery.signals import (
     worker_ready,
 )
 
-from .. import keys
+from .. import background, keys
 from ..backends import make_backend
 from ..broker.app import QrqCelery
 from ..config.loader import load_backend, load_config
@@ -129,7 +128,7 @@ def _start_heartbeat(sender, **_) -> None:
                               {**pool_sizes(), **loop_sizes()})
             time.sleep(keys.HEARTBEAT_S)
 
-    threading.Thread(target=beat, daemon=True, name="qrq-heartbeat").start()
+    background.thread("qrq-heartbeat", beat)
 
 
 class EmbeddedWorker:
@@ -153,10 +152,7 @@ class EmbeddedWorker:
             without_mingle=True,
             without_gossip=True,
         )
-        self.thread = threading.Thread(
-            target=self.controller.start, daemon=True, name="qrq-embedded-worker"
-        )
-        self.thread.start()
+        self.thread = background.thread("qrq-embedded-worker", self.controller.start)
         _set_task_join_will_block(False)
 
     def stop(self) -> None:

@@ -13,11 +13,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import os
-import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from .. import background
 from ..backends import make_backend
 from ..config.model import MAX_PROCESS_CALLS, Backend
 from .call_pool import CallSizing
@@ -101,7 +100,7 @@ class CallLoop:
             concurrent.futures.ThreadPoolExecutor(MAX_PROCESS_CALLS, "qrq-call-wait"))
         self._slots: dict[str, Slots] = {}
         self._sizes: dict[str, CallSizing] = {}
-        threading.Thread(target=self.loop.run_forever, name="qrq-call-loop", daemon=True).start()
+        background.thread("qrq-call-loop", self.loop.run_forever)
 
     def run(self, coro: Coroutine[Any, Any, _T], timeout: float | None) -> _T | None:
         """Run `coro` on the loop and wait for its result, `timeout` at most (None then: it
@@ -141,26 +140,14 @@ class CallLoop:
         self.run(open_all(), timeout=None)
 
 
-_loop: CallLoop | None = None
-_loop_lock = threading.Lock()
-
-
-def _forget_loop() -> None:
-    global _loop
-    _loop = None  # the parent's loop thread does not exist in a forked child
-
-
-os.register_at_fork(after_in_child=_forget_loop)
+_loop = background.PerProcess(CallLoop)  # a forked child runs its own loop thread
 
 
 def call_loop() -> CallLoop:
-    global _loop
-    with _loop_lock:
-        if _loop is None:
-            _loop = CallLoop()
-        return _loop
+    return _loop.get()
 
 
 def loop_sizes() -> dict[str, dict]:
     """This process's calls in flight per backend on the loop, if it has one."""
-    return {} if _loop is None else _loop.sizes()
+    loop = _loop.peek()
+    return {} if loop is None else loop.sizes()

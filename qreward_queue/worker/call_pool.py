@@ -4,11 +4,11 @@ them (`InFlight`)."""
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 from collections.abc import Callable
 
+from .. import background
 from ..backends import make_backend
 from ..config.model import MAX_PROCESS_CALLS, PROCESS_CALLS, Backend, advised_calls
 
@@ -73,8 +73,7 @@ class CallPool:
 
     def _grow(self) -> None:
         while self._threads < self.sizing.size:
-            threading.Thread(target=self._serve, name=f"qrq-call-{self._threads}",
-                             daemon=True).start()
+            background.thread(f"qrq-call-{self._threads}", self._serve)
             self._threads += 1
 
     def _serve(self) -> None:
@@ -143,19 +142,18 @@ class InFlight:
             raise self.error
 
 
-_pools: dict[str, CallPool] = {}
-_pools_lock = threading.Lock()
-os.register_at_fork(after_in_child=_pools.clear)  # a pool child builds its own threads
+# a forked pool child builds its own pools and threads
+_pools: background.PerProcess[dict[str, CallPool]] = background.PerProcess(dict)
 
 
 def call_pool(config: Backend) -> CallPool:
-    with _pools_lock:
-        if config.name not in _pools:
-            _pools[config.name] = CallPool(config)
-        return _pools[config.name]
+    with _pools.locked() as pools:
+        if config.name not in pools:
+            pools[config.name] = CallPool(config)
+        return pools[config.name]
 
 
 def pool_sizes() -> dict[str, dict]:
     """This process's calls in flight per backend and why (shown by `qrq status`)."""
-    with _pools_lock:
-        return {name: {"calls": p.sizing.size, "why": p.sizing.why} for name, p in _pools.items()}
+    with _pools.locked() as pools:
+        return {name: {"calls": p.sizing.size, "why": p.sizing.why} for name, p in pools.items()}

@@ -14,7 +14,6 @@ score_chunk (message.py: its kwargs, checked) -> ChunkRunner (chunk_runner.py): 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable
 from functools import partial, wraps
 from typing import Any
@@ -24,6 +23,7 @@ from celery.exceptions import Retry
 
 from .. import keys
 from ..backends import make_backend
+from ..background import PerProcess
 from ..broker import records
 from ..errors import Cancelled, DeadlineExceeded, TransientError
 from ..message import TASK_NAME, ChunkMessage, summary
@@ -211,15 +211,8 @@ def _level(request) -> int | None:
     return level if isinstance(level, int) else None
 
 
-_keeper = liveness.HeldKeeper(keys.HEARTBEAT_S)
-
-
-def _new_keeper() -> None:
-    global _keeper
-    _keeper = liveness.HeldKeeper(keys.HEARTBEAT_S)  # the parent's thread is not in the child
-
-
-os.register_at_fork(after_in_child=_new_keeper)
+# a forked child holds its own tasks, said again by its own thread
+_keeper = PerProcess(partial(liveness.HeldKeeper, keys.HEARTBEAT_S))
 
 
 def _held_while_running(task: Callable) -> Callable:
@@ -229,7 +222,7 @@ def _held_while_running(task: Callable) -> Callable:
     def run(self, *args, **kwargs):
         if self.app.qrq_config.embedded or not self.request.id:
             return task(self, *args, **kwargs)
-        with _keeper.holding(self.app.store, self.request.id, self.request.hostname,
+        with _keeper.get().holding(self.app.store, self.request.id, self.request.hostname,
                              keys.HELD_TTL_S, keeps=(Retry,)):
             return task(self, *args, **kwargs)
 

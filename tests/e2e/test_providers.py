@@ -30,6 +30,11 @@ PROXY_ENV = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "NO_PROXY
              "ALL_PROXY", "all_proxy", "SSL_CERT_FILE")
 
 
+def forget_sockets() -> None:
+    transport._local.forget()
+    transport._idle.forget()
+
+
 @pytest.fixture(autouse=True)
 def fresh_transport(monkeypatch):
     """No proxy or CA from the machine's environment; servers and sockets looked up anew."""
@@ -37,11 +42,11 @@ def fresh_transport(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     for cached in (transport._server, transport._tls):
         cached.cache_clear()
-    transport._forget_sockets()
+    forget_sockets()
     yield
     for cached in (transport._server, transport._tls):
         cached.cache_clear()
-    transport._forget_sockets()
+    forget_sockets()
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +144,7 @@ def test_https_proxy_carries_tls_in_connect_tunnels_and_no_proxy_bypasses_it(
     # When NO_PROXY names the judge's host, then calls go straight to it
     monkeypatch.setenv("NO_PROXY", "127.0.0.1")
     transport._server.cache_clear()
-    transport._forget_sockets()
+    forget_sockets()
     assert score_both_ways(config) == [expected_score(config)] * 2
     assert proxy.counts["tunnels"] == 2
 
@@ -155,7 +160,7 @@ def test_http_proxy_relays_plain_http_and_a_backend_proxy_overrides_the_environm
     # Given an environment with a dead proxy and a backend file naming the live one
     monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
     transport._server.cache_clear()
-    transport._forget_sockets()
+    forget_sockets()
     via_proxy = replace(config, options=replace(config.options, proxy=proxy.url))
     assert score_both_ways(via_proxy) == [expected_score(config)] * 2
     assert proxy.counts["forwards"] == 4

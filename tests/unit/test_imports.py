@@ -123,7 +123,8 @@ def test_the_walk_sees_imports_inside_functions():
 # The sides, in the order imports may run (docs/architecture.md, "The map"): a module imports
 # its own side's modules and those of the sides after it, never one before it. The loader sits
 # with the planner: it asks each backend kind and the ensemble for their options.
-CONTRACT = ("errors", "samples", "message", "keys", "priority", "redact", "flushing")
+CONTRACT = ("errors", "samples", "message", "keys", "priority", "redact", "background",
+            "flushing")
 SIDES = (
     ("cli",),
     ("integrations",),
