@@ -50,7 +50,8 @@ def test_init_writes_files_that_load_start_a_worker_and_score(tmp_path, redis_ur
 
         config = load_config(tmp_path / "qrq.toml")  # the project's own loader
         backend = config.backends["judge"]
-        assert (backend.kind, backend.url, backend.model) == ("judge", base_url, "my-judge-model")
+        assert (backend.kind, backend.options.url, backend.options.model) == (
+        "judge", base_url, "my-judge-model")
         assert (backend.limits.rpm, backend.limits.max_concurrent) == (6000, 16)
         assert backend.pool.sized and backend.api_key_env is None
         assert config.default_route == "judge" and config.routes["judge"].backends == ("judge",)
