@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import redis
+import requests
 
 from qreward_queue.backends import KINDS
 from qreward_queue.config.model import Backend
@@ -417,3 +418,27 @@ def call(limiter: Limiter, status: int | None, headers: dict[str, str] | None = 
     does is what is looked at), then ended with its reply."""
     (grant,) = limiter.reserve(1)
     return reply(grant, status, headers, timed_out)
+
+
+def start_gateway(stack, config: Path, *args: str, env: dict | None = None) -> tuple[str, Path]:
+    """`qrq gateway` for `config` on a free port, as a user starts it (its log beside the
+    config); returns its URL and log once /health answers in distributed mode."""
+    port = free_port()
+    log = config.parent / f"gateway-{port}.log"
+    with log.open("w") as fh:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "qreward_queue.cli", "gateway", "--port", str(port), *args],
+            stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT,
+            env={**os.environ, "QRQ_CONFIG": str(config), **(env or {})})
+    stack.callback(lambda: (proc.terminate(), proc.wait(10)))
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy():
+        assert proc.poll() is None, log.read_text()
+        try:
+            return requests.get(url + "/health", timeout=1).json()
+        except requests.ConnectionError:
+            return None
+
+    assert wait_for(healthy, 30, "the gateway's /health")["mode"] == "distributed"
+    return url, log

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import subprocess
-import sys
 import time
 
 import aiohttp
@@ -16,36 +13,13 @@ import pytest
 import redis
 import requests
 from conftest import REDIS_DB, REDIS_HOST, REDIS_PORT
-from support import ROOT, free_port, wait_for
+from support import start_gateway
 from trainer_stack import FALLBACK, judge_score, start_stack
 
 from qreward_queue.integrations.coerce import make_sample
 
 OK, FAIL_500, HANG = "The answer is 4.", "Sorry [[mock:500]]", "Thinking [[mock:hang]]"
 DEADLINE_S = 4.0
-
-
-def start_gateway(stack, config, *args):
-    port = free_port()
-    log = config.parent / f"gateway-{port}.log"
-    with log.open("w") as fh:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "qreward_queue.cli", "gateway", "--host", "127.0.0.1",
-             "--port", str(port), "--deadline-s", str(DEADLINE_S), *args],
-            stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT,
-            env={**os.environ, "QRQ_CONFIG": str(config)})
-    stack.callback(lambda: (proc.terminate(), proc.wait(10)))
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy():
-        assert proc.poll() is None, log.read_text()
-        try:
-            return requests.get(url + "/health", timeout=1).json()
-        except requests.ConnectionError:
-            return None
-
-    assert wait_for(healthy, 30, "the gateway's /health")["mode"] == "distributed"
-    return url
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +32,9 @@ def gateway(tmp_path_factory):
     with contextlib.ExitStack() as stack:
         app, _, workers = start_stack(stack, path,
                                       f"redis://{REDIS_HOST}:{REDIS_PORT}/{REDIS_DB}")
-        yield app, start_gateway(stack, path / "qrq.toml"), workers
+        url, _ = start_gateway(stack, path / "qrq.toml", "--host", "127.0.0.1",
+                               "--deadline-s", str(DEADLINE_S))
+        yield app, url, workers
 
 
 async def post_all(url: str, bodies: list[dict]) -> list[tuple[int, object]]:

@@ -22,7 +22,13 @@ import pytest
 import redis
 import requests
 from conftest import REDIS_DB, REDIS_HOST, REDIS_PORT
-from support import ROOT, free_port, judge_backend, start_workers, wait_for, write_config
+from support import (
+    judge_backend,
+    start_gateway,
+    start_workers,
+    wait_for,
+    write_config,
+)
 
 from qreward_queue.config.loader import load_config
 from qreward_queue.ops.job_spend import job_rows
@@ -98,31 +104,10 @@ def gateway(tmp_path_factory):
                      "[gateway.budget.tiny]\ntokens_total = 40\n")
         for worker in start_workers(config, [("judge", "judge@gw"), ("own", "own@gw")]):
             stack.callback(worker.kill)
-        url, log = start_gateway(stack, config, {KEYS_ENV: json.dumps(KEYS)})
+        url, log = start_gateway(stack, config, env={KEYS_ENV: json.dumps(KEYS)})
         yield {"url": url, "judge": judge, "own": own, "log": log, "redis": client,
                "config": config}
         client.close()
-
-
-def start_gateway(stack, config, env, *args):
-    port = free_port()
-    log = config.parent / f"gateway-{port}.log"
-    with log.open("w") as fh:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "qreward_queue.cli", "gateway", "--port", str(port), *args],
-            stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT,
-            env={**os.environ, "QRQ_CONFIG": str(config), **env})
-    stack.callback(lambda: (proc.terminate(), proc.wait(10)))
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy():
-        assert proc.poll() is None, log.read_text()
-        with contextlib.suppress(requests.ConnectionError):
-            return requests.get(url + "/health", timeout=1).ok
-        return False
-
-    wait_for(healthy, 30, "the gateway's /health")
-    return url, log
 
 
 def client(gateway, key=TEAM_A, **kwargs) -> openai.OpenAI:
@@ -382,7 +367,7 @@ def test_an_open_gateway_says_so_and_warns_when_it_listens_widely(gateway, tmp_p
                       f'"redis://{REDIS_HOST}:{REDIS_PORT}/{REDIS_DB}"\n')
     (tmp_path / "workers").mkdir()
     with contextlib.ExitStack() as stack:
-        _, log = start_gateway(stack, config, {}, "--host", "0.0.0.0")
+        _, log = start_gateway(stack, config, "--host", "0.0.0.0")
         text = log.read_text()
         assert "no [gateway] keys configured: every caller is served as one job" in text
         assert "warning: the gateway listens on 0.0.0.0 without authentication" in text

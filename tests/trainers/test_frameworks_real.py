@@ -18,8 +18,7 @@ import pytest
 import redis
 from conftest import REDIS_DB, REDIS_HOST, REDIS_PORT
 from pydantic import BaseModel
-from support import judge_backend, start_workers, wait_for, write_config
-from test_openai_gateway import start_gateway
+from support import judge_backend, start_gateway, start_workers, wait_for, write_config
 
 from qreward_queue.config.loader import load_config
 from qreward_queue.config.model import Config
@@ -74,7 +73,7 @@ def stack(tmp_path_factory):
         for worker in start_workers(config, [("judge", "judge@frameworks")]):
             stack.callback(worker.kill)
         keys = [{"key": KEY, "job": "rl-run", "priorities": ["train", "val"]}]
-        url, _ = start_gateway(stack, config, {KEYS_ENV: json.dumps(keys)})
+        url, _ = start_gateway(stack, config, env={KEYS_ENV: json.dumps(keys)})
         yield {"url": url, "judge": judge, "redis": client, "config": load_config(config)}
         client.close()
 

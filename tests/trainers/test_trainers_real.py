@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import redis
 from conftest import REDIS_DB, REDIS_HOST, REDIS_PORT
-from test_gateway import start_gateway
+from support import start_gateway
 from trainer_stack import FALLBACK, judge_score, start_stack
 
 from qreward_queue.integrations import verl as qrq_verl
@@ -234,7 +234,7 @@ def test_openrlhf_single_turn_executor_scores_through_qrq_gateway(app, stack_dir
     from transformers import AutoTokenizer
 
     _, path, stack = stack_dir
-    url = start_gateway(stack, path / "qrq.toml")
+    url, _ = start_gateway(stack, path / "qrq.toml", "--host", "127.0.0.1")
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     executor = SingleTurnAgentExecutor(url + "/get_reward")
     params = types.SimpleNamespace(max_tokens=8, logprobs=None)
