@@ -56,6 +56,10 @@ class PerProcess(_Forgotten, Generic[T]):
             self._value = None
 
     def get(self) -> T:
+        """The value, made on first use; once made, read without the lock (calls read it on
+        every call)."""
+        if (value := self._value) is not None:
+            return value
         with self.locked() as value:
             return value
 
