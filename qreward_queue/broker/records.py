@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import redis
@@ -134,10 +134,17 @@ class Recorder:
     client's inbox in one round trip, FLUSH_EVERY_S after the previous write at the latest
     (the process's flusher thread does it, so the last samples of a burst need no later
     record to carry them), and at `flush`. A write that fails (Redis away) keeps its records
-    for the next one: recording is an economy, never a reason to fail a task."""
+    for the next one: recording is an economy, never a reason to fail a task.
 
-    def __init__(self, store: redis.Redis, batch_id: str, deadline: float | None):
+    `paid` writes the spend of the calls behind the outcomes (the backend's ledger flush): it
+    runs after the outcomes to write are taken and before they are written, so whoever reads
+    an outcome finds its call's spend already counted (a batch's summary right after its last
+    outcome is exact)."""
+
+    def __init__(self, store: redis.Redis, batch_id: str, deadline: float | None,
+                 paid: Callable[[], None] = lambda: None):
         self.store, self.batch_id, self.key = store, batch_id, keys.records(batch_id)
+        self.paid = paid
         self.keep_s = _keep_s(deadline)
         self._lock = threading.Lock()
         self._buffer: dict[str, str] = {}
@@ -163,6 +170,7 @@ class Recorder:
             self._last = time.monotonic()
         if not batch:
             return
+        self.paid()  # a call's spend is added before its outcomes are recorded
         try:
             with self.store.pipeline(transaction=False) as pipe:
                 # redis-py's mapping type is invariant in its key: dict[str, str] is one

@@ -8,11 +8,20 @@ import time
 
 import pytest
 import redis
-from support import PrivateRedis, Worker, expected, judge_backend, wait_for, write_config
+from support import (
+    PrivateRedis,
+    Worker,
+    backend_of,
+    expected,
+    judge_backend,
+    wait_for,
+    write_config,
+)
 
 import qreward_queue as qrq
 from qreward_queue import keys
 from qreward_queue.broker import records
+from qreward_queue.flow.spend import Ledger, Usage, batch_spend
 from qreward_queue.testing.mock_judge import MockJudge, MockJudgeSettings
 from qreward_queue.trainer.batcher import MicroBatcher
 
@@ -109,6 +118,20 @@ def test_each_micro_batched_caller_gets_its_own_sample_when_it_is_scored(slow_st
     for sample, outcome in zip(samples, outcomes, strict=True):
         assert outcome.id == sample["id"]
         assert (outcome.status, outcome.score) == ("ok", expected(app, "j", sample))
+
+
+def test_an_outcome_is_announced_after_its_calls_spend_is_written(redis_client):
+    """A batch's summary read right after its last outcome counts every call behind it: the
+    recorder writes the ledger's spend before the outcomes it announces."""
+    ledger = Ledger(redis_client, backend_of("judge", name="j", url="http://judge.invalid/v1",
+                                           model="m"))
+    recorder = records.Recorder(redis_client, "client1.b2", None, paid=ledger.flush)
+    ledger.spent(Usage(120, 8), None, "client1.b2")
+    recorder.record_all({0: {"score": 0.5, "status": "ok"}})
+    # no flush of the ledger by hand: whichever of the two the flusher takes first, the
+    # outcome's arrival finds the call counted
+    records.read_inbox(redis_client, keys.inbox("client1.b2"), b"0-0", 5000)
+    assert batch_spend(redis_client, "client1.b2")["j"]["calls"] == 1
 
 
 def test_a_recorder_writes_the_last_record_of_a_burst_without_another(redis_client):
