@@ -9,6 +9,7 @@ QrqError
     ├── RetryableError     worth another try, here or on a sibling backend
     │   ├── RateLimited        HTTP 429 (carries Retry-After)
     │   ├── TransientError     timeout, connection error, 5xx
+    │   │   └── CircuitOpen        the backend's circuit is open: no call made
     │   ├── LimiterBusy        the global limiter cannot start the call soon: try again later
     │   └── BudgetExceeded     the call would pass the backend's budget: not made (a sibling
     │                          backend may take the sample; if none, status "error")
@@ -94,6 +95,10 @@ class RateLimited(RetryableError):
 
 class TransientError(RetryableError):
     """Timeout, connection failure or 5xx."""
+
+
+class CircuitOpen(TransientError):
+    """The backend's circuit is open: no call was made (a sibling backend may take it)."""
 
 
 class PermanentError(ScoringError):

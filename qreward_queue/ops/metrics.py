@@ -13,7 +13,7 @@ Worker metrics (labels):
                                                    (or ok / timeout / error without one)
     qrq_backend_latency_seconds{backend}           one call's duration (histogram)
     qrq_limiter_wait_seconds{backend}              time a call waited for the global limiter
-    qrq_retries_total{backend,reason}              task retries: backoff, limiter_busy, failover
+    qrq_retries_total{backend,reason}              retries: fault, hedge, backoff, failover, ...
     qrq_failovers_total{backend,to}                work moved to a sibling backend
     qrq_injection_flagged_total{backend,route}     samples whose response addressed the judge
 """
@@ -63,7 +63,8 @@ class _WorkerMetrics:
             "qrq_limiter_wait_seconds", "Time a call waited for the global limiter", ["backend"],
             buckets=WAIT_BUCKETS, **reg)
         self.retries = Counter(
-            "qrq_retries", "Retries by reason (backoff, limiter_busy, failover, hedge)",
+            "qrq_retries",
+            "Retries by reason (fault, hedge, backoff, limiter_busy, failover, straggler)",
             ["backend", "reason"], **reg)
         self.failovers = Counter(
             "qrq_failovers", "Work moved from a backend to a sibling", ["backend", "to"], **reg)
@@ -124,7 +125,8 @@ def record_limiter_wait(backend: str, seconds: float) -> None:
 
 
 def record_retry(backend: str, reason: str, to: str | None = None) -> None:
-    """A task retry; `to` names the sibling a failover moves the work to."""
+    """A retry (of a call in its run, or of a task); `to` names the sibling a failover
+    moves the work to."""
     if _metrics is None:
         return
     _metrics.retries.labels(backend, reason).inc()

@@ -20,6 +20,7 @@ from ..config.model import Backend
 from ..errors import (
     BudgetExceeded,
     Cancelled,
+    CircuitOpen,
     LimiterBusy,
     RateLimited,
     ScoringError,
@@ -86,8 +87,10 @@ class CallPath:
 
     async def call_async(self, batch: list[dict], grant: Grant | None) -> Call:
         """`call` on the worker's call loop, for a kind whose calls only wait on a server
-        (`awaitable`); `grant`: booked by the runner when the backend has a limiter."""
+        (`awaitable`); `grant`: booked by the runner (else here) when the backend has a
+        limiter."""
         self._breaker_admits(grant)
+        grant = await self._granted_async(batch, grant)
         with self._given_back_unless_made(grant):
             if grant is not None:
                 await grant.wait_async()
@@ -174,22 +177,38 @@ class CallPath:
         if self.may_refuse and self.breaker is not None and not self.breaker.allow():
             if grant is not None:
                 grant.release(NO_FEEDBACK)
-            raise TransientError(f"circuit open: backend {self.config.name!r} is cooling down")
+            raise CircuitOpen(f"circuit open: backend {self.config.name!r} is cooling down")
 
     # -- limiter ---------------------------------------------------------------------------
 
     def _granted(self, batch: list[dict], grant: Grant | None) -> Grant | None:
         if grant is not None or self.limiter is None:
             return grant
-        try:
+        with self._probe_back_if_busy():
             (grant,) = self.limiter.reserve(
                 1, self.client.estimate_tokens(batch), MAX_LIMITER_WAIT_S
             )
-        except LimiterBusy:  # the call never happens: a half-open probe goes to someone else
+        return grant
+
+    async def _granted_async(self, batch: list[dict], grant: Grant | None) -> Grant | None:
+        if grant is not None or self.limiter is None:
+            return grant
+        with self._probe_back_if_busy():
+            (grant,) = await self.limiter.reserve_async(
+                1, self.client.estimate_tokens(batch), MAX_LIMITER_WAIT_S
+            )
+        return grant
+
+    @contextmanager
+    def _probe_back_if_busy(self) -> Iterator[None]:
+        """A call the limiter cannot start soon never happens: its half-open probe goes to
+        someone else."""
+        try:
+            yield
+        except LimiterBusy:
             if self.breaker is not None:
                 self.breaker.release_probe()
             raise
-        return grant
 
     # -- clearance -------------------------------------------------------------------------
 

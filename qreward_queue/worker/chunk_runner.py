@@ -30,6 +30,7 @@ from ..flow.limiter import Grant, Limiter
 from ..flow.ratelimit_headers import NO_FEEDBACK
 from ..flow.spend import Ledger
 from ..message import DEFAULT_JOB
+from ..ops import metrics
 from ..samples import Outcome
 from .call_loop import Slots, call_loop
 from .call_path import MAX_LIMITER_WAIT_S, CallPath
@@ -185,23 +186,32 @@ class ChunkRunner:
 
     async def _one(self, slots: Slots, running: _Running, samples: list[dict],
                    positions: list[int], grant: Grant | None) -> None:
-        """One call on the loop."""
+        """One call on the loop, made again here after a fault while its attempts last."""
         try:
             if self._halted():
                 if grant is not None:
                     grant.release(NO_FEEDBACK)
                 return
-            started = time.monotonic()
-            try:
-                result: Call | ScoringError = await self.path.call_async(
-                    [samples[i] for i in positions], grant)
-            except ScoringError as exc:
-                if self._goes_on(positions, exc):
-                    running.unbounded()  # its end is no longer bounded by the call's timeout
-                    await asyncio.to_thread(self._run_call, samples, positions, None, exc)
+            batch = [samples[i] for i in positions]
+            started, tries = time.monotonic(), Tries(self.attempt)
+            while True:
+                try:
+                    result: Call | ScoringError = await self.path.call_async(batch, grant)
+                except LimiterBusy as busy:  # a try again could not start soon: left for later
+                    self.result.busy_s = busy.wait_s
                     return
-                result = exc
-            self._settle(positions, result, self.attempt, _ms_since(started))
+                except ScoringError as exc:
+                    if self._goes_on(positions, exc):
+                        running.unbounded()  # its end is no longer bounded by its timeout
+                        await asyncio.to_thread(self._run_call, samples, positions, None, exc)
+                        return
+                    wait_s = self._again_after_fault(exc, tries)
+                    if wait_s is not None and await running.again(wait_s):
+                        grant = None  # the call path books the next try's grant
+                        continue
+                    result = exc
+                break
+            self._settle(positions, result, tries.attempt, _ms_since(started))
         finally:
             slots.give()
 
@@ -212,6 +222,14 @@ class ChunkRunner:
             isinstance(error, PermanentError) and len(positions) > 1
             and not self.path.client.grouped)
 
+    def _again_after_fault(self, error: ScoringError, tries: Tries) -> float | None:
+        """How long before a call that failed with `error` is made again here (None: not
+        here); counted in `qrq_retries_total{reason="fault"}`."""
+        wait_s = self.policy.wait_after_fault(error, tries, time_left_s(self.deadline))
+        if wait_s is not None:
+            metrics.record_retry(self.config.name, "fault")
+        return wait_s
+
     def _halted(self) -> bool:
         """No call of the chunk starts past its deadline or after a long limiter wait."""
         return self.result.busy_s is not None or self._past_deadline()
@@ -221,8 +239,8 @@ class ChunkRunner:
 
     def _run_call(self, samples: list[dict], positions: list[int], grant: Grant | None,
                   first: ScoringError | None = None) -> None:
-        """Make the call, again after a 429 while it may; `first`: how its first try (on the
-        call loop) ended."""
+        """Make the call, again after a 429 or a fault while it may; `first`: how its first
+        try (on the call loop) ended."""
         batch = [samples[i] for i in positions]
         started, tries = time.monotonic(), Tries(self.attempt)
         while True:
@@ -251,7 +269,12 @@ class ChunkRunner:
                     self._run_call(samples, positions[half:], None)
                     return
                 result = exc
-            except RetryableError as exc:
+            except RetryableError as exc:  # a fault: again after its backoff, while it may
+                wait_s = self._again_after_fault(exc, tries)
+                if wait_s is not None:
+                    grant = None
+                    time.sleep(wait_s)
+                    continue
                 result = exc
             else:
                 result = call
@@ -305,6 +328,18 @@ class _Running:
         self._ended.append(task)
         self._news.set()
 
+    async def again(self, wait_s: float) -> bool:
+        """The calling call is made again after `wait_s`, its clock restarted (a straggler is
+        judged, and its handoff timed, by its latest try); False when the run handed it off
+        meanwhile (the task's return to its samples makes it again)."""
+        await asyncio.sleep(wait_s)
+        task = asyncio.current_task()
+        if self.left or task not in self._calls:
+            return False
+        positions, _ = self._calls[task]
+        self._calls[task] = (positions, time.monotonic())
+        return True
+
     def unbounded(self) -> None:
         """A call goes on past its timeout (a 429's wait on a thread): none is handed off."""
         self._unbounded = True
@@ -326,8 +361,8 @@ class _Running:
                 self._latencies.append(now - started)
             if self._calls and self._stragglers(calls, now):
                 self.left = [positions for positions, _ in self._calls.values()]
-                oldest = min(started for _, started in self._calls.values())
-                self.handoff_s = max(0.0, oldest + timeout_s - now) + HANDOFF_GRACE_S
+                newest = max(started for _, started in self._calls.values())
+                self.handoff_s = max(0.0, newest + timeout_s - now) + HANDOFF_GRACE_S
                 return
 
     def _stragglers(self, calls: int, now: float) -> bool:

@@ -1,8 +1,9 @@
 """Retry and backoff, in one place: a backend's `[retry]` settings as a `RetryPolicy`.
 
-Two clocks of retry, one policy. A 429 is tried again inside its call, after its wait
-(`RetryPolicy.wait_after_429`, counted per call by `Tries`); whatever else is left after a
-chunk's run (timeouts, 5xx, a long limiter wait, an open circuit) goes to
+Two clocks of retry, one policy. A 429 and a fault (a 5xx, a lost connection, a timeout)
+are tried again inside their call, after their wait (`RetryPolicy.wait_after_429`,
+`RetryPolicy.wait_after_fault`, counted per call by `Tries`); whatever else is left after a
+chunk's run (a call out of attempts, a long limiter wait, an open circuit) goes to
 `RetryPolicy.decide`: back off and run the task again, fail over onto a sibling backend's
 queue, or give up with explicit outcomes. Both back off by `RetryPolicy.backoff_s`.
 """
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..config.model import Retry
-from ..errors import RateLimited
+from ..errors import CircuitOpen, RateLimited, ScoringError, TransientError
 
 RETURN_MARGIN_S = 0.5  # a chunk returns what it has this long before the batch deadline
 
@@ -75,6 +76,24 @@ class RetryPolicy:
         if wait_s is None:
             wait_s = self.backoff_s(tries.attempt + tries.paced - 1)
         if tries.attempt < self.config.attempts and (time_left is None or wait_s < time_left):
+            return wait_s
+        return None
+
+    def wait_after_fault(self, exc: ScoringError, tries: Tries, time_left: float | None
+                         ) -> float | None:
+        """How long a call that failed transiently (a 5xx, a lost connection, a timeout)
+        waits before it is made again in its run (None: not here, `decide` takes it).
+
+        A fault that does not depend on load is paid by its own call: its samples are tried
+        again after the backoff while the rest of the chunk goes on, instead of waiting for
+        the chunk's run to end and the task to come back. Each try spends an attempt; an
+        open circuit is left to `decide` (a sibling backend may take the work).
+        """
+        if not isinstance(exc, TransientError) or isinstance(exc, CircuitOpen):
+            return None
+        wait_s = self.backoff_s(tries.attempt)
+        if tries.attempt < self.config.attempts and (time_left is None or wait_s < time_left):
+            tries.spent += 1
             return wait_s
         return None
 

@@ -96,6 +96,9 @@ def score_chunk(self, **kwargs: Any) -> list[dict]:
                 left[pos] = None if k in result.handed_off else outcome
             else:
                 done[pos] = outcome.to_dict()
+        # a call tried again in its run spent attempts of the task's: the task goes on from
+        # the most any sample left has spent (its retry or failover counts them)
+        attempt = max([attempt, *(o.attempts for o in left.values() if o is not None)])
         handoff_s = result.handoff_s if result.handed_off else 0.0
         busy_s, circuit_open = result.busy_s, breaker is not None and breaker.is_open()
         # over budget: a sibling may take the work at once; without one the budget's error

@@ -6,6 +6,7 @@ a bad reply is never a silent 0; a bad item in a reward-model batch costs only t
 
 from __future__ import annotations
 
+import inspect
 import json
 import threading
 import uuid
@@ -532,6 +533,60 @@ def test_chunk_runner_waits_out_retry_after_without_a_limiter():
         stats = judge.stats()
     assert outcome.status == "ok"
     assert stats["rate_limited"] <= 2
+
+
+@pytest.mark.parametrize("on_loop", [True, False])
+def test_a_fault_is_tried_again_in_the_chunks_run_through_the_limiter(judge, monkeypatch,
+                                                                       on_loop):
+    """A 500 costs its own call one more try in the same run (under the limiter like any
+    call), not a task retry: every sample ok, one request more than samples."""
+    import fakeredis
+
+    from qreward_queue.flow.limiter import Limiter
+
+    config = judge_config(judge.url, retry=Retry(attempts=3, backoff_base_s=0.01))
+    if not on_loop:  # the call pool's threads (a kind that is not awaitable)
+        monkeypatch.setattr(type(make_backend(config)), "awaitable", False)
+    limiter = Limiter(fakeredis.FakeRedis(), config.name, rpm=60_000, max_concurrent=64)
+    granted = []
+    for verb in ("reserve", "reserve_async"):
+        monkeypatch.setattr(limiter, verb, spy(getattr(limiter, verb), granted))
+    samples = [sample(i) for i in range(6)]
+    samples[2] = sample(2, "It is 4. [[mock:500-once]]")
+    result = ChunkRunner(config, limiter, None, 1).run(samples)
+    assert sum(granted) == 7  # six calls and the retry, each with its grant
+    assert [o.status for o in result.outcomes] == ["ok"] * 6 and not result.retryable
+    assert [o.attempts for o in result.outcomes] == [1, 1, 2, 1, 1, 1]
+    stats = judge.stats()
+    assert (stats["requests"], stats["errors"]) == (7, 1)
+    limiter.flush()  # finishes of good calls on the loop are sent together, a moment later
+    assert limiter.status()["leases_in_use"] == 0  # every grant went back, the retry's too
+
+
+def spy(reserve: Callable, granted: list[int]) -> Callable:
+    """`reserve` or `reserve_async`, adding how many grants each booking gave to `granted`."""
+    if inspect.iscoroutinefunction(reserve):
+        async def booked_async(count: int, *args: Any) -> list:
+            grants = await reserve(count, *args)
+            granted.append(len(grants))
+            return grants
+        return booked_async
+
+    def booked(count: int, *args: Any) -> list:
+        grants = reserve(count, *args)
+        granted.append(len(grants))
+        return grants
+    return booked
+
+
+def test_a_call_failing_every_try_spends_its_attempts_in_the_run_then_is_left(judge):
+    config = judge_config(judge.url, retry=Retry(attempts=3, backoff_base_s=0.01))
+    samples = [sample(1), sample(2, "[[mock:500]]")]
+    result = ChunkRunner(config, None, None, 1).run(samples)
+    assert result.outcomes[0].status == "ok"
+    failed = result.outcomes[1]
+    assert (failed.status, failed.attempts) == ("error", 3) and result.retryable == {1}
+    assert judge.stats()["errors"] == 3
 
 
 # --- HTTP edge cases: every failure is a ScoringError, never a raw exception ----------------

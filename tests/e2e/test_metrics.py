@@ -132,7 +132,8 @@ def test_worker_counters_add_up_to_the_batch(tmp_path, redis_url, stack):
 
 
 def test_retries_failovers_and_429s_are_counted(tmp_path, redis_url, stack):
-    """A judge that fails every call: backoff retries, then failover to a healthy sibling."""
+    """A judge that fails every call: its calls tried again in their run, then failover to a
+    healthy sibling once the circuit opens."""
     bad = stack.enter_context(spawn(MockJudgeSettings(latency_ms=5, error_rate=1.0)))
     good = stack.enter_context(spawn(MockJudgeSettings(latency_ms=5)))
     config_path = write_config(
@@ -153,7 +154,7 @@ def test_retries_failovers_and_429s_are_counted(tmp_path, redis_url, stack):
     page = scrape(bad_port)
     moved = total(page, "qrq_failovers_total", backend="bad", to="good")
     assert moved == total(page, "qrq_retries_total", backend="bad", reason="failover") >= 1
-    assert total(page, "qrq_retries_total", backend="bad", reason="backoff") >= 1
+    assert total(page, "qrq_retries_total", backend="bad", reason="fault") >= 1
     assert total(page, "qrq_backend_requests_total", backend="bad", code="500") >= 5  # breaker: 5
     assert total(page, "qrq_samples_total", backend="bad") == 0  # nothing settled there
 

@@ -108,7 +108,7 @@ class _Judge:
         self.settings = settings
         self.stopping = threading.Event()
         self._lock = threading.Lock()
-        self._hung_once: set[str] = set()
+        self._faulted_once: set[tuple[str, str]] = set()
         self._rng = random.Random(settings.seed)
         now = time.monotonic()
         self._requests = _Bucket(settings.rpm, now) if settings.rpm > 0 else None
@@ -138,11 +138,12 @@ class _Judge:
         with self._lock:
             self._counts[name] += amount
 
-    def first_time(self, text: str) -> bool:
-        """Whether no request has judged `text` before ([[mock:hang-once]])."""
+    def first_time(self, fault: str, text: str) -> bool:
+        """Whether no request has met `fault` judging `text` before ([[mock:hang-once]],
+        [[mock:500-once]])."""
         with self._lock:
-            seen = text in self._hung_once
-            self._hung_once.add(text)
+            seen = (fault, text) in self._faulted_once
+            self._faulted_once.add((fault, text))
             return not seen
 
     def stats(self) -> dict[str, int]:

@@ -22,6 +22,7 @@ Faults of an admitted call, in this order (after [[mock:400]], which wire.py ref
     [[mock:hang]]       sleep hang_s first, then answer as below
     [[mock:hang-once]]  the same, only for the first request that judges this text
     [[mock:500]]        500 server_error
+    [[mock:500-once]]   the same, only for the first request that judges this text
     [[mock:badjson]]    200 whose body is not JSON
     [[mock:garbage]]    200 without a score (verdicts.py, wire.py)
 """
@@ -190,10 +191,11 @@ class _Handler(BaseHTTPRequestHandler):
         judge.wait_turn()
         judge.pause(ticket.latency_s)
         if ticket.hang or "hang" in call.triggers or (
-                "hang-once" in call.triggers and judge.first_time(call.text)):
+                "hang-once" in call.triggers and judge.first_time("hang", call.text)):
             judge.count("hangs")
             judge.pause(judge.settings.hang_s)
-        if ticket.error or "500" in call.triggers:
+        if ticket.error or "500" in call.triggers or (
+                "500-once" in call.triggers and judge.first_time("500", call.text)):
             judge.count("errors")
             message = "The server had an error while processing your request."
             return 500, json.dumps(_error(message, "server_error")).encode()

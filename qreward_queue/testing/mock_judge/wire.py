@@ -28,7 +28,7 @@ from .verdicts import GROUP_FAULTS, answer, rm_verdict
 
 Json = dict[str, Any]
 
-_TRIGGERS = ("400", "hang-once", "hang", "500", "badjson", "garbage",
+_TRIGGERS = ("400", "hang-once", "hang", "500-once", "500", "badjson", "garbage",
              *(f"group-{f}" for f in GROUP_FAULTS))
 _TRIGGER = re.compile(rf"\[\[mock:({'|'.join(_TRIGGERS)})\]\]")
 _BAD_JSON = b'{"id": "chatcmpl-broken", "object": "chat.completion", "choices": [{"mess'
@@ -56,7 +56,7 @@ class _Call:
     items: int
     reply: Callable[[], Json]
     usage: tuple[int, int] = (0, 0)  # prompt and completion tokens its reply reports
-    text: str = ""  # the judged text (a chat call's), for [[mock:hang-once]]
+    text: str = ""  # the judged text (a chat call's), for [[mock:hang-once]], [[mock:500-once]]
 
 
 def _load_object(body: bytes) -> Json:

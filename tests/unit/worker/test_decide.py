@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from qreward_queue.config.model import Retry
-from qreward_queue.errors import RateLimited
+from qreward_queue.errors import CircuitOpen, PermanentError, RateLimited, TransientError
 from qreward_queue.worker.retry import Next, RetryPolicy, Tries
 
 POLICY = Retry(attempts=3, backoff_base_s=0.5, backoff_cap_s=10, jitter=False)
@@ -76,3 +76,31 @@ def test_flow_control_429s_spend_one_attempt_per_rate_limited_per_attempt_in_a_r
 
 def test_a_429_wait_past_the_deadline_is_not_waited():
     assert RetryPolicy(POLICY).wait_after_429(throttled(True, 5.0), Tries(1), 4.0) is None
+
+
+def test_a_fault_is_tried_again_in_its_run_after_the_backoff_while_attempts_remain():
+    policy, tries = RetryPolicy(POLICY), Tries(1)
+    fault = TransientError("server error 500 from judge", status_code=500)
+    waits = [policy.wait_after_fault(fault, tries, 60.0) for _ in range(3)]
+    assert waits == [0.5, 1.0, None] and tries.attempt == 3  # attempts = 3: then decide's
+
+
+def test_a_fault_from_a_later_task_attempt_has_fewer_tries_left_in_its_run():
+    tries = Tries(2)
+    fault = TransientError("no reply within 10 s", timed_out=True)
+    assert RetryPolicy(POLICY).wait_after_fault(fault, tries, 60.0) == 1.0
+    assert tries.attempt == 3
+
+
+def test_an_open_circuit_a_permanent_error_or_a_429_is_not_a_fault_to_try_again_here():
+    policy = RetryPolicy(POLICY)
+    for error in (CircuitOpen("circuit open: backend 'j' is cooling down"),
+                  PermanentError("client error 400"), throttled(False)):
+        tries = Tries(1)
+        assert policy.wait_after_fault(error, tries, 60.0) is None and tries.attempt == 1
+
+
+def test_a_fault_whose_backoff_ends_after_the_deadline_is_left_to_decide():
+    tries = Tries(1)
+    assert RetryPolicy(POLICY).wait_after_fault(TransientError("500"), tries, 0.4) is None
+    assert tries.attempt == 1
