@@ -180,6 +180,19 @@ class Grant:
         return (yield from self._limiter._finish(self.holder, feedback, refund, delay_s))
 
 
+_giving_back: set[asyncio.Task[Reading]] = set()  # releases under way (a task needs an owner)
+
+
+def _given_back(booking: asyncio.Future[list[Grant]]) -> None:
+    """The grants of a booking whose caller is gone, released unused (on the loop)."""
+    if booking.cancelled() or booking.exception() is not None:
+        return
+    for grant in booking.result():
+        task = asyncio.ensure_future(grant.release_async(NO_FEEDBACK))
+        _giving_back.add(task)
+        task.add_done_callback(_giving_back.discard)
+
+
 class Limiter:
     """Books calls to one backend under its global RPM, TPM and concurrency limits.
 
@@ -278,8 +291,17 @@ class Limiter:
     async def reserve_async(self, count: int, tokens: float = 0,
                             max_wait_s: float = 30.0) -> list[Grant]:
         """`reserve` on an event loop; the finishes held back go at their own time (within
-        LOOP_FINISH_DELAY_S), so that one script carries many calls' finishes."""
-        return await self._drive_async(self._reserve(count, tokens, max_wait_s, False))
+        LOOP_FINISH_DELAY_S), so that one script carries many calls' finishes.
+
+        A caller cancelled while it books (an abandoned hedge) leaves no lease behind: the
+        booking ends in its own time and what it booked is released unused."""
+        booking = asyncio.ensure_future(
+            self._drive_async(self._reserve(count, tokens, max_wait_s, False)))
+        try:
+            return await asyncio.shield(booking)
+        except asyncio.CancelledError:
+            booking.add_done_callback(_given_back)
+            raise
 
     def _reserve(self, count: int, tokens: float, max_wait_s: float,
                  flush_first: bool) -> _Steps[list[Grant]]:

@@ -34,7 +34,10 @@ from ..message import DEFAULT_JOB
 from ..ops import metrics
 
 MAX_LIMITER_WAIT_S = 30.0
-HEDGE_LIMITER_WAIT_S = 1.0  # a hedge that cannot start this soon is not worth it
+HEDGE_LIMITER_WAIT_S = 1.0  # a hedge waits for its grant until its first call's timeout, this
+# long at least: a busy limiter's queue still lets it beat a hung call's timeout
+HEDGE_OVERRUN_S = 3.0  # a hedge still running this long past its first call's timeout is
+# dropped: every call ends by then (a handed-off straggler's task comes back only after it)
 
 
 class CallPath:
@@ -120,14 +123,17 @@ class CallPath:
             else None
         if after is None:
             return await _answer(self.client, batch), False
-        hedge = _Hedge(self, batch)
-        timer = asyncio.get_running_loop().call_later(after, hedge.start)
+        loop = asyncio.get_running_loop()
+        ends_by = loop.time() + self.config.timeout_s + HEDGE_OVERRUN_S
+        hedge = _Hedge(self, batch, max(HEDGE_LIMITER_WAIT_S, self.config.timeout_s - after))
+        timer = loop.call_later(after, hedge.start)
         try:
             result = await _answer(self.client, batch)
             hedge.first_ended = True
             if isinstance(result, ScoringError) and hedge.task is not None:
-                second = await hedge.task  # the first failed while its hedge goes on
-                if isinstance(second, Call):
+                # the first failed while its hedge goes on: its answer, if it comes in time
+                done, _ = await asyncio.wait({hedge.task}, timeout=ends_by - loop.time())
+                if done and isinstance(second := hedge.task.result(), Call):
                     return second, True
             return result, False
         except asyncio.CancelledError:
@@ -144,14 +150,14 @@ class CallPath:
         local call has no connection to hang."""
         return self.config.retry.hedge and booking is None and not self.client.runs_locally
 
-    async def _hedge(self, batch: list[dict]) -> Call | ScoringError | None:
-        """The second call: its own grant (None when the limiter cannot start it soon, or
-        nobody waits for the batch any more), its reply learnt by the limiter."""
+    async def _hedge(self, batch: list[dict], wait_s: float) -> Call | ScoringError | None:
+        """The second call: its own grant (None when the limiter cannot start it within
+        `wait_s`, or nobody waits for the batch any more), its reply learnt by the limiter."""
         grant = None
         if self.limiter is not None:
             try:
                 (grant,) = await self.limiter.reserve_async(
-                    1, self.client.estimate_tokens(batch), HEDGE_LIMITER_WAIT_S)
+                    1, self.client.estimate_tokens(batch), wait_s)
             except LimiterBusy:
                 return None
         try:
@@ -314,15 +320,15 @@ class _Hedge:
     """The second call of a late call's batch: started by the first's timer, it interrupts the
     first (cancels the task awaiting it) with its answer when that answer is good."""
 
-    def __init__(self, path: CallPath, batch: list[dict]):
-        self.path, self.batch = path, batch
+    def __init__(self, path: CallPath, batch: list[dict], wait_s: float):
+        self.path, self.batch, self.wait_s = path, batch, wait_s
         self.owner = asyncio.current_task()
         self.task: asyncio.Task[Call | ScoringError | None] | None = None
         self.won: Call | None = None
         self.first_ended = False
 
     def start(self) -> None:
-        self.task = asyncio.ensure_future(self.path._hedge(self.batch))
+        self.task = asyncio.ensure_future(self.path._hedge(self.batch, self.wait_s))
         self.task.add_done_callback(self._ended)
 
     def _ended(self, task: asyncio.Task[Call | ScoringError | None]) -> None:

@@ -33,7 +33,7 @@ from ..message import DEFAULT_JOB
 from ..ops import metrics
 from ..samples import Outcome
 from .call_loop import Slots, call_loop
-from .call_path import MAX_LIMITER_WAIT_S, CallPath
+from .call_path import HEDGE_OVERRUN_S, MAX_LIMITER_WAIT_S, CallPath
 from .call_pool import CallPool, InFlight, call_pool
 from .retry import RetryPolicy, Tries, time_left_s
 
@@ -44,8 +44,9 @@ from .retry import RetryPolicy, Tries, time_left_s
 STRAGGLER_FACTOR = 4.0
 STRAGGLER_MIN_S = 1.0
 STRAGGLER_SHARE = 0.1  # at most this share of a chunk's calls (at least one) is handed off
-HANDOFF_GRACE_S = 5.0  # past a handed-off call's timeout: its outcome is recorded by then, even
-# on a loaded machine (the task coming back earlier would call it again)
+HANDOFF_GRACE_S = HEDGE_OVERRUN_S + 2.0  # past a handed-off call's timeout: it has ended (its
+# hedge too) and its outcome is recorded by then, even on a loaded machine (the task coming
+# back earlier would call it again)
 STRAGGLER_CHECK_S = 0.25
 
 

@@ -19,6 +19,8 @@ from ..config.model import Retry
 from ..errors import CircuitOpen, RateLimited, ScoringError, TransientError
 
 RETURN_MARGIN_S = 0.5  # a chunk returns what it has this long before the batch deadline
+IN_RUN_BACKOFF_S = 2.0  # a fault whose backoff may be longer is retried by the task, whose
+# slot serves other work meanwhile (a backend that is down must not hold the worker)
 
 
 def time_left_s(deadline: float | None) -> float | None:
@@ -56,10 +58,14 @@ class RetryPolicy:
     config: Retry
 
     def backoff_s(self, attempt: int) -> float:
-        """Exponential backoff with full jitter: uniform in [0, min(cap, base * 2**(attempt-1))]."""
+        """Exponential backoff with full jitter: uniform in [0, `longest_backoff_s`]."""
+        delay = self.longest_backoff_s(attempt)
+        return random.uniform(0, delay) if self.config.jitter else delay
+
+    def longest_backoff_s(self, attempt: int) -> float:
+        """min(cap, base * 2**(attempt-1))."""
         c = self.config
-        delay = min(c.backoff_cap_s, c.backoff_base_s * 2 ** (attempt - 1))
-        return random.uniform(0, delay) if c.jitter else delay
+        return min(c.backoff_cap_s, c.backoff_base_s * 2 ** (attempt - 1))
 
     def wait_after_429(self, exc: RateLimited, tries: Tries, time_left: float | None
                        ) -> float | None:
@@ -87,9 +93,11 @@ class RetryPolicy:
         A fault that does not depend on load is paid by its own call: its samples are tried
         again after the backoff while the rest of the chunk goes on, instead of waiting for
         the chunk's run to end and the task to come back. Each try spends an attempt; an
-        open circuit is left to `decide` (a sibling backend may take the work).
+        open circuit (a sibling backend may take the work) and a backoff that may pass
+        IN_RUN_BACKOFF_S are left to `decide`.
         """
-        if not isinstance(exc, TransientError) or isinstance(exc, CircuitOpen):
+        if not isinstance(exc, TransientError) or isinstance(exc, CircuitOpen) or (
+                self.longest_backoff_s(tries.attempt) > IN_RUN_BACKOFF_S):
             return None
         wait_s = self.backoff_s(tries.attempt)
         if tries.attempt < self.config.attempts and (time_left is None or wait_s < time_left):

@@ -284,7 +284,8 @@ def test_a_redis_outage_is_reported_as_one_not_as_a_missing_worker(tmp_path, sta
     near = {time.strftime("%H:%M:%S", time.localtime(down_at + d)) for d in (-1, 0, 1)}
     assert unreachable[0].split("since ")[1][:8] in near, (near, unreachable)
     assert any("answers again" in m for m in said), said
-    assert not any("no live worker" in m for m in said), said
+    # (another test's batch still waiting in this process may warn of its own queue)
+    assert not any("no live worker" in m and str(tmp_path) in m for m in said), said
     # and the batch is scored in full once Redis is back
     assert [o.status for o in outcomes] == ["ok"] * len(samples), outcomes
     worker.stop()

@@ -447,9 +447,62 @@ def test_no_hedge_for_a_batch_nobody_waits_for_any_more(store, monkeypatch):
     assert client.calls == 1
 
 
-def test_no_hedge_when_the_limiter_cannot_start_it_soon(store, monkeypatch):
-    # Given a slow call holding its backend's only lease
-    monkeypatch.setattr(call_path, "HEDGE_LIMITER_WAIT_S", 0.05)
+def test_a_hedge_waits_its_turn_at_a_busy_limiter(store, monkeypatch):
+    # Given a hung call, and the backend's other lease held by another call for 1.5 s (longer
+    # than a hedge's shortest wait for its grant)
+    limiter = Limiter(store, CONFIG.name, max_concurrent=2)
+    client = FakeKind(CONFIG, Slow(None, ok(0.1)), ok(0.9))
+    path = make_path(monkeypatch, client, limiter=limiter)
+    path.hedge_after_s = lambda: HEDGE_AFTER_S
+
+    async def run() -> Call:
+        (other,) = await limiter.reserve_async(1)
+        await other.wait_async()
+        (grant,) = await limiter.reserve_async(1)
+
+        async def other_ends() -> None:
+            await asyncio.sleep(1.5)
+            await other.release_async(NO_FEEDBACK)
+
+        ending = asyncio.ensure_future(other_ends())
+        result = await path.call_async(BATCH, grant)
+        await ending
+        await limiter.flush_async()
+        return result
+
+    # When the call is made
+    result = asyncio.run(run())
+    # Then the hedge waited for the lease (the call's timeout is far off) and its answer won
+    assert result.scores == [0.9]
+    assert client.calls == 2
+    assert leases(limiter) == 0
+
+
+def test_a_hedge_still_running_past_its_first_calls_timeout_is_dropped(store, monkeypatch):
+    # Given a call that times out, and a hedge that hangs
+    monkeypatch.setattr(call_path, "HEDGE_OVERRUN_S", 0.1)
+    config = replace(CONFIG, timeout_s=0.05)
+    timed_out = TransientError("no reply within 0.05 s", timed_out=True)
+    client = FakeKind(config, Slow(0.05, timed_out), Slow(None, ok(0.9)))
+    path = make_path(monkeypatch, client)
+    path.hedge_after_s = lambda: HEDGE_AFTER_S
+
+    async def run() -> tuple[ScoringError, int]:
+        with pytest.raises(TransientError) as raised:
+            await path.call_async(BATCH, None)
+        await asyncio.sleep(0.01)  # the hedge's task takes its cancellation
+        return raised.value, client.cancelled
+
+    # When the call is made
+    error, cancelled = asyncio.run(run())
+    # Then the call ends with its own timeout once the overrun is past: the hedge is cancelled
+    # (a handed-off straggler's task, coming back after it, never overlaps a call in flight)
+    assert error is timed_out
+    assert (client.calls, cancelled) == (2, 1)
+
+
+def test_a_hedge_abandoned_while_it_waits_for_a_lease_leaves_none_behind(store, monkeypatch):
+    # Given a slow call holding its backend's only lease, so that its hedge waits for one
     limiter = Limiter(store, CONFIG.name, max_concurrent=1)
     client = FakeKind(CONFIG, Slow(0.2, ok(0.4)), ok(0.9))
     path = make_path(monkeypatch, client, limiter=limiter)
@@ -459,11 +512,15 @@ def test_no_hedge_when_the_limiter_cannot_start_it_soon(store, monkeypatch):
         (grant,) = await limiter.reserve_async(1)
         result = await path.call_async(BATCH, grant)
         await limiter.flush_async()
+        for _ in range(200):  # the hedge's booking ends in its own time, then goes back
+            if leases(limiter) == 0:
+                break
+            await asyncio.sleep(0.01)
         return result
 
-    # When the call is made
+    # When the call is made and answers while its hedge still waits
     result = asyncio.run(run())
-    # Then the hedge gave up on the lease: one call, its answer, the lease back
+    # Then the first answer is the call's, no second call was made, no lease is left behind
     assert result.scores == [0.4]
     assert client.calls == 1
     assert leases(limiter) == 0

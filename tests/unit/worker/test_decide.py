@@ -104,3 +104,12 @@ def test_a_fault_whose_backoff_ends_after_the_deadline_is_left_to_decide():
     tries = Tries(1)
     assert RetryPolicy(POLICY).wait_after_fault(TransientError("500"), tries, 0.4) is None
     assert tries.attempt == 1
+
+
+def test_a_fault_whose_backoff_may_be_long_is_left_to_the_tasks_retry():
+    # attempts 1, 2, 3 may wait up to 0.5, 1, 2 s: in the run; the fourth up to 4 s: not
+    policy, tries = RetryPolicy(Retry(attempts=6, backoff_base_s=0.5, jitter=True)), Tries(1)
+    waits = [policy.wait_after_fault(TransientError("500"), tries, 60.0) for _ in range(4)]
+    assert all(0 <= w <= 2.0 for w in waits[:3]) and waits[3] is None and tries.attempt == 4
+    slow = RetryPolicy(Retry(attempts=3, backoff_base_s=30, jitter=False))
+    assert slow.wait_after_fault(TransientError("500"), Tries(1), 600.0) is None
