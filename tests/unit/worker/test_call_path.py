@@ -127,6 +127,16 @@ def make_path(monkeypatch: pytest.MonkeyPatch, client: FakeKind, *,
     return CallPath(client.config, limiter, breaker, may_refuse, lambda: stop, ledger, BATCH_ID)
 
 
+def hedged(monkeypatch: pytest.MonkeyPatch, *answers: Answer, limiter: Limiter | None = None,
+           config: Backend = CONFIG) -> tuple[FakeKind, CallPath]:
+    """A fake kind scripted with `answers`, and its call path hedging replies later than
+    HEDGE_AFTER_S."""
+    client = FakeKind(config, *answers)
+    path = make_path(monkeypatch, client, limiter=limiter)
+    path.hedge_after_s = lambda: HEDGE_AFTER_S
+    return client, path
+
+
 def leases(limiter: Limiter) -> int:
     return int(limiter.status()["leases_in_use"])
 
@@ -413,9 +423,7 @@ def test_call_async_returns_the_reply_and_gives_the_lease_back(store, monkeypatc
 def test_a_slow_call_gets_a_hedge_whose_answer_wins(store, monkeypatch, registry):
     # Given a first call that hangs and a second that answers at once
     limiter = Limiter(store, CONFIG.name, max_concurrent=2)
-    client = FakeKind(CONFIG, Slow(None, ok(0.1)), ok(0.9))
-    path = make_path(monkeypatch, client, limiter=limiter)
-    path.hedge_after_s = lambda: HEDGE_AFTER_S
+    client, path = hedged(monkeypatch, Slow(None, ok(0.1)), ok(0.9), limiter=limiter)
 
     async def run() -> tuple[Call, int]:
         (grant,) = await limiter.reserve_async(1)
@@ -451,9 +459,7 @@ def test_a_hedge_waits_its_turn_at_a_busy_limiter(store, monkeypatch):
     # Given a hung call, and the backend's other lease held by another call for 1.5 s (longer
     # than a hedge's shortest wait for its grant)
     limiter = Limiter(store, CONFIG.name, max_concurrent=2)
-    client = FakeKind(CONFIG, Slow(None, ok(0.1)), ok(0.9))
-    path = make_path(monkeypatch, client, limiter=limiter)
-    path.hedge_after_s = lambda: HEDGE_AFTER_S
+    client, path = hedged(monkeypatch, Slow(None, ok(0.1)), ok(0.9), limiter=limiter)
 
     async def run() -> Call:
         (other,) = await limiter.reserve_async(1)
@@ -483,9 +489,7 @@ def test_a_hedge_still_running_past_its_first_calls_timeout_is_dropped(store, mo
     monkeypatch.setattr(call_path, "HEDGE_OVERRUN_S", 0.1)
     config = replace(CONFIG, timeout_s=0.05)
     timed_out = TransientError("no reply within 0.05 s", timed_out=True)
-    client = FakeKind(config, Slow(0.05, timed_out), Slow(None, ok(0.9)))
-    path = make_path(monkeypatch, client)
-    path.hedge_after_s = lambda: HEDGE_AFTER_S
+    client, path = hedged(monkeypatch, Slow(0.05, timed_out), Slow(None, ok(0.9)), config=config)
 
     async def run() -> tuple[ScoringError, int]:
         with pytest.raises(TransientError) as raised:
@@ -504,9 +508,7 @@ def test_a_hedge_still_running_past_its_first_calls_timeout_is_dropped(store, mo
 def test_a_hedge_abandoned_while_it_waits_for_a_lease_leaves_none_behind(store, monkeypatch):
     # Given a slow call holding its backend's only lease, so that its hedge waits for one
     limiter = Limiter(store, CONFIG.name, max_concurrent=1)
-    client = FakeKind(CONFIG, Slow(0.2, ok(0.4)), ok(0.9))
-    path = make_path(monkeypatch, client, limiter=limiter)
-    path.hedge_after_s = lambda: HEDGE_AFTER_S
+    client, path = hedged(monkeypatch, Slow(0.2, ok(0.4)), ok(0.9), limiter=limiter)
 
     async def run() -> Call:
         (grant,) = await limiter.reserve_async(1)
