@@ -204,7 +204,8 @@ class ChunkRunner:
                 except ScoringError as exc:
                     if self._goes_on(positions, exc):
                         running.unbounded()  # its end is no longer bounded by its timeout
-                        await asyncio.to_thread(self._run_call, samples, positions, None, exc)
+                        await asyncio.to_thread(self._run_call, samples, positions, None,
+                                                exc, tries, started)
                         return
                     wait_s = self._again_after_fault(exc, tries)
                     if wait_s is not None and await running.again(wait_s):
@@ -239,11 +240,14 @@ class ChunkRunner:
         return time_left_s(self.deadline) == 0.0
 
     def _run_call(self, samples: list[dict], positions: list[int], grant: Grant | None,
-                  first: ScoringError | None = None) -> None:
-        """Make the call, again after a 429 or a fault while it may; `first`: how its first
-        try (on the call loop) ended."""
+                  first: ScoringError | None = None, tries: Tries | None = None,
+                  started: float | None = None) -> None:
+        """Make the call, again after a 429 or a fault while it may; `first`, `tries` and
+        `started`: how its last try on the call loop ended, its tries there, and when the
+        first began."""
         batch = [samples[i] for i in positions]
-        started, tries = time.monotonic(), Tries(self.attempt)
+        started = time.monotonic() if started is None else started
+        tries = Tries(self.attempt) if tries is None else tries
         while True:
             try:
                 if first is not None:

@@ -563,6 +563,19 @@ def test_a_fault_is_tried_again_in_the_chunks_run_through_the_limiter(judge, mon
     assert limiter.status()["leases_in_use"] == 0  # every grant went back, the retry's too
 
 
+def test_a_call_that_meets_a_fault_then_a_429_counts_both_tries(stub):
+    """A call on the loop that goes on on a thread (a 429's wait) keeps the tries its fault
+    spent on the loop: its outcome reports every attempt."""
+    replies = iter([(500, {}, {"error": {"message": "boom"}}, 0),
+                    (429, {"Retry-After": "0"}, {"error": {"message": "slow down"}}, 0)])
+    good = (200, {}, chat_reply("Score: 0.5"), 0)
+    stub.respond = lambda body: next(replies, good) if "marked" in json.dumps(body) else good
+    config = judge_config(stub.url, retry=Retry(attempts=4, backoff_base_s=0.01))
+    result = ChunkRunner(config, None, None, 1).run([sample(1), sample(2, "marked")])
+    assert [o.attempts for o in result.outcomes] == [1, 3]
+    assert [o.status for o in result.outcomes] == ["ok", "ok"] and len(stub.seen) == 4
+
+
 def spy(reserve: Callable, granted: list[int]) -> Callable:
     """`reserve` or `reserve_async`, adding how many grants each booking gave to `granted`."""
     if inspect.iscoroutinefunction(reserve):
