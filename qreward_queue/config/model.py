@@ -81,7 +81,8 @@ class Pool:
 
 @dataclass(frozen=True)
 class Retry:
-    """Retries of retryable errors (429, timeouts, 5xx) before failing over or giving up.
+    """Retries of retryable errors (429, timeouts, 5xx) before failing over or giving up; a
+    timeout or 5xx is tried again inside its chunk's run while its backoff is short.
     429s the limiter turns into flow control (a shared pause, a concurrency cut) spend one
     attempt per `rate_limited_per_attempt` in a row (0: each spends one), so a hostile server
     still cannot hold a sample for ever; any other 429 spends one."""
