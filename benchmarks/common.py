@@ -234,6 +234,9 @@ def print_table(title: str, runs: list[Run], notes: list[str]) -> None:
               f"{r.ok_per_s:>7.1f}{r.server_requests:>9}{r.server_429:>7}{r.pct_429:>6.1f}%"
               f"{r.not_ok:>7}{r.wrong:>6}{_fmt(r.p50_ms, '.0f'):>8}{_fmt(r.p99_ms, '.0f'):>8}"
               f"{_fmt(r.worker_cpu_ms_per_request, '.2f'):>11}")
+    for r in runs:
+        for why in r.extra.get("not_ok_reasons", []):
+            print(f"  {r.client} not ok: {why}")
     for note in notes:
         print(f"  note: {note}")
 

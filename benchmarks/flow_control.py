@@ -78,6 +78,7 @@ TRAINERS = 4
 PROBE_S = 10.0
 ERROR_RATE = 0.03  # S2: calls answered with a 500
 HANG_RATE = 0.005  # S2: calls that hang past the call timeout
+MAX_REASONS = 5  # samples not ok whose status and error a run reports
 CALL_TIMEOUT_S = 10.0
 DEGRADE_ABOVE = 32  # S4: the judge's latency doubles above this many in flight
 POLL_S = 0.02  # how often the benchmark looks at a qrq batch's outcomes so far
@@ -266,7 +267,9 @@ def qrq_extra(outcomes) -> dict:
         statuses[o.status] = statuses.get(o.status, 0) + 1
     attempts = [o.attempts for o in outcomes if o.scored]
     return {"statuses": statuses, "max_attempts": max(attempts, default=0),
-            "retried_samples": sum(a > 1 for a in attempts)}
+            "retried_samples": sum(a > 1 for a in attempts),
+            "not_ok_reasons": [f"{o.status} after {o.attempts} attempt(s): {o.error}"
+                               for o in outcomes if o.status != "ok"][:MAX_REASONS]}
 
 
 # ------------------------------------------------------------------------------ one process
@@ -382,7 +385,8 @@ def run_trainers(env: Env, scenario: str, client: str, kind: str, samples: list[
         for r in reports:
             for k, v in r[4]["statuses"].items():
                 statuses[k] = statuses.get(k, 0) + v
-        extra |= {"statuses": statuses,
+        reasons = [why for r in reports for why in r[4]["not_ok_reasons"]]
+        extra |= {"statuses": statuses, "not_ok_reasons": reasons[:MAX_REASONS],
                   "max_attempts": max(r[4]["max_attempts"] for r in reports),
                   "retried_samples": sum(r[4]["retried_samples"] for r in reports)}
     return finish_run(env, scenario, client, samples, results, wall, judge_probe, cpu, **extra)
