@@ -13,11 +13,15 @@ run in two with three workers and three Redis restarts.
 The fix: remember the connection parameters while the kombu Connection is open and reuse them
 once it is gone, so the restore (and late acks of tasks still running) reach Redis as kombu
 intends; with nothing remembered, raise a redis ConnectionError, which kombu and Celery
-already treat as "broker unavailable, reconnect". With a `sentinel://` URL the same close
-first builds its pool from `connection.client.alt`, the sentinel list: the pool built while
-the Connection was open is reused (it asks the sentinels for the current primary on each new
-connection). Applied to kombu's Redis channel classes once per process by `install()`;
-harmless where the bug does not trigger.
+already treat as "broker unavailable, reconnect". The same goes for a channel already closed
+(its `connection` is None: a task's retry published through a producer whose channel the
+consumer's reconnect closed under it raised AttributeError, and Celery dropped the task):
+a ConnectionError has kombu's `ensure` publish again on a new channel.
+
+With a `sentinel://` URL the same close first builds its pool from `connection.client.alt`,
+the sentinel list: the pool built while the Connection was open is reused (it asks the
+sentinels for the current primary on each new connection). Applied to kombu's Redis channel
+classes once per process by `install()`; harmless where the bug does not trigger.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ def _remember(channel, method: str, copy) -> None:
     @functools.wraps(original)
     def remembering(self, asynchronous: bool = False):
         remembered = self.__dict__.setdefault(store, {})
+        if self.connection is None:  # the channel is closed: kombu revives its user on a new one
+            raise redis.ConnectionError("the broker channel was closed")
         if self.connection.client is not None:
             remembered[asynchronous] = value = original(self, asynchronous=asynchronous)
         elif asynchronous in remembered:

@@ -19,7 +19,7 @@ from functools import partial, wraps
 from typing import Any
 
 import redis
-from celery.exceptions import Retry
+from celery.exceptions import Reject, Retry
 
 from .. import keys
 from ..backends import make_backend
@@ -122,8 +122,8 @@ def score_chunk(self, **kwargs: Any) -> list[dict]:
         # ended (their outcomes recorded) and settles them with whatever else is left
         metrics.record_retry(backend, "straggler")
         requeued(config.queue, len(left))
-        raise self.retry(kwargs=msg.retried(done=done, attempt=attempt + 1),
-                         countdown=max(handoff_s, nxt.countdown), **summary(backend, samples))
+        raise _retry(self, kwargs=msg.retried(done=done, attempt=attempt + 1),
+                     countdown=max(handoff_s, nxt.countdown), **summary(backend, samples))
     if nxt.action == "done":
         return _settled(done)
     if nxt.action in ("wait", "retry"):  # no sample is tried here more than attempts allow
@@ -137,14 +137,15 @@ def score_chunk(self, **kwargs: Any) -> list[dict]:
     if nxt.action in ("wait", "retry"):
         metrics.record_retry(backend, "limiter_busy" if nxt.action == "wait" else "backoff")
         requeued(config.queue, len(left))
-        raise self.retry(kwargs=msg.retried(
+        raise _retry(self, kwargs=msg.retried(
             done=done, attempt=attempt + 1 if nxt.action == "retry" else attempt),
             countdown=nxt.countdown, **summary(backend, samples))
     if nxt.action == "failover":
         target = failover_target(siblings, *capacity.of(app, siblings), len(left))
         metrics.record_retry(backend, "failover", to=target)
         requeued(app.backend_config(target).queue, len(left))
-        raise self.retry(
+        raise _retry(
+            self,
             kwargs=msg.retried(done=done, backend=target, attempt=1, tried=[*msg.tried, backend]),
             queue=app.backend_config(target).queue,
             countdown=0,
@@ -156,6 +157,16 @@ def score_chunk(self, **kwargs: Any) -> list[dict]:
         done[pos] = _noted(outcome or Outcome.failed(
             DeadlineExceeded("not tried before the deadline"), backend, attempt), note)
     return _settled(done)
+
+
+def _retry(task: Any, **options: Any) -> Retry:
+    """`task.retry(**options)`. When the retry's message cannot be published (the broker is
+    away), Celery drops the task (a Reject without requeue, recorded as a FAILURE): its own
+    message goes back to its queue instead, and its next run skips what was recorded."""
+    try:
+        return task.retry(**options)
+    except Reject as refused:
+        raise Reject(refused.reason, requeue=True) from None
 
 
 def _noted(outcome: Outcome, note: str) -> dict:

@@ -55,6 +55,21 @@ def test_a_channel_closed_after_kombu_dropped_its_client_still_restores_unacked(
     assert redis.Redis.from_url(redis_url).llen("chaos.kombu") == 1
 
 
+def test_a_publish_through_a_channel_closed_under_it_goes_out_on_a_new_one(redis_url):
+    """A task's retry published while the consumer's reconnect closed the producer's channel
+    (kombu sets the channel's connection to None) is published again on a new channel, not
+    dropped with an AttributeError (see kombu_fix)."""
+    from kombu import Connection
+
+    import qreward_queue.broker.app  # noqa: F401  (installs kombu_fix, as every qrq process does)
+
+    with Connection(redis_url) as conn:
+        producer = conn.Producer()  # on the connection's default channel, as Celery's are
+        producer.channel.close()
+        producer.publish({"n": 1}, routing_key="chaos.closed", serializer="json", retry=True)
+    assert redis.Redis.from_url(redis_url).llen("chaos.closed") == 1
+
+
 def test_a_channel_with_nothing_remembered_reports_a_connection_error(redis_url):
     # kombu and Celery treat redis.ConnectionError as "broker gone, reconnect"
     from kombu import Connection
