@@ -136,7 +136,8 @@ class Recorder:
     record to carry them), and at `flush`. A write that fails (Redis away) keeps its records
     for the next one: recording is an economy, never a reason to fail a task.
 
-    `paid` writes the spend of the calls behind the outcomes (the backend's ledger flush): it
+    `paid` writes the spend of the calls behind the outcomes (the batch's share of the
+    backend's ledger, `Ledger.flush_batch`): it
     runs after the outcomes to write are taken and before they are written, so whoever reads
     an outcome finds its call's spend already counted (a batch's summary right after its last
     outcome is exact)."""

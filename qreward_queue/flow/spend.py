@@ -16,7 +16,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis
 
@@ -92,6 +92,8 @@ class Booking:
     cost_micro: int
 
 
+_K = TypeVar("_K")
+
 class Ledger:
     """One backend's spend as this process's calls add to it (thread-safe).
 
@@ -109,8 +111,8 @@ class Ledger:
         self._tokens_per_byte = 0.0  # the most this backend's replies have shown
         self._book = store.register_script(_BOOK) if backend.budget else None
         self._lock = threading.Lock()
-        # (hour, batch, job) -> FIELDS
-        self._tally: dict[tuple[int, str | None, str], list[int]] = {}
+        self._tally: dict[tuple[int, str], list[int]] = {}  # (hour, job) -> FIELDS
+        self._batches: dict[str, list[int]] = {}  # batch -> FIELDS (`flush_batch` writes one)
         self._held: dict[int, list[int]] = {}  # hour -> bookings to give back (tokens, cost)
         self._last = time.monotonic()
         self._scheduled = False  # a flush is due on the flushing thread
@@ -158,9 +160,12 @@ class Ledger:
         values = (1, usage.tokens_in, usage.tokens_out, int(usage.estimated),
                   usage.cost_micro(self.backend))
         with self._lock:
-            tally = self._tally.setdefault((hour_now(), batch_id, job), [0] * len(FIELDS))
-            for k, value in enumerate(values):
-                tally[k] += value
+            tallies = [self._tally.setdefault((hour_now(), job), [0] * len(FIELDS))]
+            if batch_id is not None:
+                tallies.append(self._batches.setdefault(batch_id, [0] * len(FIELDS)))
+            for tally in tallies:
+                for k, value in enumerate(values):
+                    tally[k] += value
             if booking is not None:
                 held = self._held.setdefault(booking.hour, [0, 0])
                 held[0] += booking.tokens
@@ -173,41 +178,60 @@ class Ledger:
     def flush(self) -> None:
         """Write what was added (one round trip); kept for the next flush if Redis is away."""
         with self._lock:
-            tally, held, self._tally, self._held = self._tally, self._held, {}, {}
+            tally, held, batches = self._tally, self._held, self._batches
+            self._tally, self._held, self._batches = {}, {}, {}
             self._last, self._scheduled = time.monotonic(), False
-        if not tally and not held:
+        self._write(tally, held, batches)
+
+    def flush_batch(self, batch_id: str) -> None:
+        """Write one batch's share of what was added now (the backend's and jobs' totals go
+        with the next flush): what a reader of the batch's outcomes sums, in a round trip of
+        a few commands."""
+        with self._lock:
+            values = self._batches.pop(batch_id, None)
+        if values is not None:
+            self._write({}, {}, {batch_id: values})
+
+    def _write(self, tally: dict[tuple[int, str], list[int]], held: dict[int, list[int]],
+               batches: dict[str, list[int]]) -> None:
+        if not tally and not held and not batches:
             return
         name = self.backend.name
         try:
             with self.store.pipeline(transaction=False) as pipe:
-                for (hour, batch_id, job), values in tally.items():
-                    targets = [(keys.spend(name), ""), (keys.spend(name, hour), ""),
-                               (keys.job_spend(job), ""), (keys.job_spend(job, hour), "")]
-                    if batch_id is not None:
-                        targets.append((keys.batch_spend(batch_id), f"{name}:"))
+                for (hour, job), values in tally.items():
                     pipe.sadd(keys.JOBS, job)
-                    for key, prefix in targets:
-                        for field, value in zip(FIELDS, values, strict=True):
-                            if value:
-                                pipe.hincrby(key, prefix + field, value)
+                    for key in (keys.spend(name), keys.spend(name, hour), keys.job_spend(job),
+                                keys.job_spend(job, hour)):
+                        _add(pipe, key, "", values)
                     pipe.expire(keys.spend(name, hour), HOUR_KEEP_S)  # once written: it exists
                     pipe.expire(keys.job_spend(job, hour), HOUR_KEEP_S)
-                    if batch_id is not None:
-                        pipe.expire(keys.batch_spend(batch_id), BATCH_KEEP_S)
+                for batch_id, values in batches.items():
+                    _add(pipe, keys.batch_spend(batch_id), f"{name}:", values)
+                    pipe.expire(keys.batch_spend(batch_id), BATCH_KEEP_S)
                 for hour, (tokens, cost) in held.items():  # the bookings these calls held
                     pipe.hincrby(keys.spend(name, hour), "held_tokens", -tokens)
                     pipe.hincrby(keys.spend(name, hour), "held_cost_micro", -cost)
                 pipe.execute()
         except (redis.RedisError, OSError):
             with self._lock:
-                for slot, values in tally.items():
-                    mine = self._tally.setdefault(slot, [0] * len(FIELDS))
-                    for k, value in enumerate(values):
-                        mine[k] += value
-                for hour, (tokens, cost) in held.items():
-                    mine = self._held.setdefault(hour, [0, 0])
-                    mine[0] += tokens
-                    mine[1] += cost
+                _keep(self._tally, tally)
+                _keep(self._batches, batches)
+                _keep(self._held, held)
+
+
+def _keep(mine: dict[_K, list[int]], unwritten: dict[_K, list[int]]) -> None:
+    """Add what a failed write held back to what the next write takes."""
+    for slot, values in unwritten.items():
+        kept = mine.setdefault(slot, [0] * len(values))
+        for k, value in enumerate(values):
+            kept[k] += value
+
+
+def _add(pipe: Any, key: str, prefix: str, values: list[int]) -> None:
+    for field, value in zip(FIELDS, values, strict=True):
+        if value:
+            pipe.hincrby(key, prefix + field, value)
 
 
 def _cap_arg(budget: Budget, name: str) -> str:

@@ -230,6 +230,24 @@ def test_a_flush_adds_each_call_to_the_total_the_hour_and_the_batch(store, hour)
     assert fields(store, keys.spend(JUDGE.name))["calls"] == 3
 
 
+def test_a_batchs_share_is_written_alone_and_never_twice(store, hour):
+    # Given calls of batches b1 and b2
+    ledger = Ledger(store, JUDGE)
+    ledger.spent(Usage(100, 10), None, "b1")
+    ledger.spent(Usage(40, 4), None, "b2")
+    # When b1's share is written (what its recorder does before announcing its outcomes)
+    ledger.flush_batch("b1")
+    # Then b1's tally is there, b2's and the backend's totals wait for the next flush
+    assert batch_spend(store, "b1")[JUDGE.name]["calls"] == 1
+    assert batch_spend(store, "b2") == {}
+    assert fields(store, keys.spend(JUDGE.name)) == {}
+    # and that flush writes the rest, b1's share not a second time
+    ledger.flush()
+    assert batch_spend(store, "b1")[JUDGE.name]["tokens_in"] == 100
+    assert batch_spend(store, "b2")[JUDGE.name]["tokens_in"] == 40
+    assert fields(store, keys.spend(JUDGE.name))["calls"] == 2
+
+
 def test_each_jobs_spend_is_its_own(store, hour):
     # Given calls of two jobs and one that names none
     ledger = Ledger(store, replace(JUDGE, price=PRICE))
