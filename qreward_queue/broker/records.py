@@ -137,10 +137,9 @@ class Recorder:
     for the next one: recording is an economy, never a reason to fail a task.
 
     `paid` writes the spend of the calls behind the outcomes (the batch's share of the
-    backend's ledger, `Ledger.flush_batch`): it
-    runs after the outcomes to write are taken and before they are written, so whoever reads
-    an outcome finds its call's spend already counted (a batch's summary right after its last
-    outcome is exact)."""
+    backend's ledger, `Ledger.flush_batch`): it runs after the outcomes to write are taken and
+    before they are written, so whoever reads an outcome finds its call's spend already
+    counted (a batch's summary right after its last outcome is exact)."""
 
     def __init__(self, store: redis.Redis, batch_id: str, deadline: float | None,
                  paid: Callable[[], None] = lambda: None):

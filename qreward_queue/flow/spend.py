@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -94,6 +95,7 @@ class Booking:
 
 _K = TypeVar("_K")
 
+
 class Ledger:
     """One backend's spend as this process's calls add to it (thread-safe).
 
@@ -164,12 +166,10 @@ class Ledger:
             if batch_id is not None:
                 tallies.append(self._batches.setdefault(batch_id, [0] * len(FIELDS)))
             for tally in tallies:
-                for k, value in enumerate(values):
-                    tally[k] += value
+                _sum_into(tally, values)
             if booking is not None:
-                held = self._held.setdefault(booking.hour, [0, 0])
-                held[0] += booking.tokens
-                held[1] += booking.cost_micro
+                _sum_into(self._held.setdefault(booking.hour, [0, 0]),
+                          (booking.tokens, booking.cost_micro))
             schedule, self._scheduled = not self._scheduled, True
             due = self._last + FLUSH_EVERY_S
         if schedule:  # never on the caller's thread: it may be the worker's call loop
@@ -223,9 +223,12 @@ class Ledger:
 def _keep(mine: dict[_K, list[int]], unwritten: dict[_K, list[int]]) -> None:
     """Add what a failed write held back to what the next write takes."""
     for slot, values in unwritten.items():
-        kept = mine.setdefault(slot, [0] * len(values))
-        for k, value in enumerate(values):
-            kept[k] += value
+        _sum_into(mine.setdefault(slot, [0] * len(values)), values)
+
+
+def _sum_into(total: list[int], values: Sequence[int]) -> None:
+    for k, value in enumerate(values):
+        total[k] += value
 
 
 def _add(pipe: Any, key: str, prefix: str, values: list[int]) -> None:
