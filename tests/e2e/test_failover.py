@@ -67,6 +67,9 @@ def test_a_sentinel_failover_mid_batch_loses_no_reward(tmp_path, stack):
     cluster.kill(old_primary[1])
     wait_for(lambda: batch.completed > done_at_kill, timeout_s=30, what="a sample after failover")
     recovered, done_at_recovery = time.monotonic(), batch.completed
+    # (the sentinel asked may learn of the promotion a moment after the one qrq asked)
+    wait_for(lambda: cluster.primary() != old_primary, timeout_s=30,
+             what="the sentinels naming a new primary")
     new_primary = cluster.primary()
     outcomes = batch.outcomes()
     finished = time.monotonic()
