@@ -39,7 +39,7 @@ import redis.asyncio
 
 from .. import keys
 from ..errors import LimiterBusy
-from .ratelimit_headers import DEFAULT_MAX_PAUSE_S, NO_FEEDBACK, Feedback
+from .ratelimit_headers import DEFAULT_MAX_PAUSE_S, NO_FEEDBACK, NOTHING_TOLD, Feedback
 
 log = logging.getLogger(__name__)
 
@@ -153,11 +153,13 @@ class Grant:
 
     def wait(self) -> None:
         """Sleep until the booked start, plus any pause that was ordered meanwhile."""
-        self._limiter._drive(self._limiter._wait_for_start(self))
+        if self.wait_s > 0:
+            self._limiter._drive(self._limiter._wait_for_start(self))
 
     async def wait_async(self) -> None:
         """`wait` on an event loop."""
-        await self._limiter._drive_async(self._limiter._wait_for_start(self))
+        if self.wait_s > 0:
+            await self._limiter._drive_async(self._limiter._wait_for_start(self))
 
     def release(self, feedback: Feedback) -> Reading:
         """End the call in one round trip: reconcile its booked tokens with those `feedback`
@@ -365,8 +367,6 @@ class Limiter:
         }
 
     def _wait_for_start(self, grant: Grant) -> _Steps[None]:
-        if grant.wait_s <= 0:
-            return
         yield _Sleep(grant.wait_s)
         seen = grant._shift_ms
         while True:
@@ -406,12 +406,12 @@ class Limiter:
         elif feedback.rate_limited:  # exhausted: pause everyone; unknown why: also cut
             event = "exhausted" if 0 in (h.remaining_requests, h.remaining_tokens) else "429"
             pause_s = h.pause_s()
+        call: dict[str, Any] = {"holder": holder, "event": event, "told": {}}
         told = {
             "rpm": (h.remaining_requests, h.limit_requests, h.reset_requests_s, 0.0),
             "tpm": (h.remaining_tokens, h.limit_tokens, h.reset_tokens_s, refund),
-        }
-        call: dict[str, Any] = {"holder": holder, "event": event, "told": {}}
-        for lim in self._limits:
+        } if refund or h != NOTHING_TOLD else {}  # (most replies of a self-hosted judge)
+        for lim in self._limits if told else ():
             remaining, per_min, reset_s, lim_refund = told[lim["name"]]
             entry = {name: value for name, value in (
                 ("refund", lim_refund), ("remaining", remaining),
@@ -420,11 +420,12 @@ class Limiter:
             if entry:
                 call["told"][lim["name"]] = entry
         with self._lock:
+            now = time.monotonic()
             self._pending.append(call)
+            if len(self._pending) == 1:  # the first held back since the last flush
+                self._pending_since = now
             due = (event != "ok" or not delay_s or len(self._pending) >= MAX_PENDING
-                   or time.monotonic() - self._pending_since >= delay_s)
-            if len(self._pending) == 1:
-                self._pending_since = time.monotonic()
+                   or now - self._pending_since >= delay_s)
         if due:
             yield from self._flush(pause_s, "; ".join(h.bounded))
         cut = event == "congested" and self.max_concurrent > 0

@@ -131,7 +131,10 @@ class RateLimitHeaders:
 
         Header names are matched case-insensitively whatever the mapping type is.
         """
-        lowered = {str(k).lower(): str(v) for k, v in (headers or {}).items()}
+        lowered = {name: str(v) for k, v in (headers or {}).items()
+                   if "ratelimit" in (name := str(k).lower()) or name.startswith("retry-after")}
+        if not lowered:  # a self-hosted judge's every reply: nothing to read
+            return cls(max_pause_s=max_pause_s)
         notes: list[str] = []
 
         def read(name: str, parse, low: float, high: float, unit: str = "") -> float | None:
@@ -243,4 +246,5 @@ class Feedback:
         )
 
 
+NOTHING_TOLD = RateLimitHeaders()  # equal to any reply's that said nothing of its limits
 NO_FEEDBACK = Feedback()  # a call not made (or whose reply another call's grant learnt)

@@ -302,6 +302,20 @@ def test_lease_released_when_the_block_raises(fake: fakeredis.FakeRedis) -> None
     assert limiter.status()["leases_in_use"] == 0
 
 
+def test_successes_are_held_back_to_be_finished_together(fake: fakeredis.FakeRedis) -> None:
+    # Given a limiter that holds successes back up to 5 s to send their finishes together
+    limiter = Limiter(fake, "b", max_concurrent=4, finish_delay_s=5.0)
+    grants = limiter.reserve(3)
+    # When each of the three calls succeeds, the first long after the limiter was made
+    time.sleep(0.01)
+    for grant in grants:
+        reply(grant, 200)
+    # Then none was sent alone: their leases are held until the flush sends all three at once
+    assert limiter.status()["leases_in_use"] == 3
+    limiter.flush()
+    assert limiter.status()["leases_in_use"] == 0
+
+
 @pytest.mark.real_clock
 def test_abandoned_lease_expires_after_ttl(fake: fakeredis.FakeRedis) -> None:
     limiter = Limiter(fake, "b", max_concurrent=1, lease_ttl_s=0.3)
