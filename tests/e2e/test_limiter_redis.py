@@ -128,6 +128,33 @@ def test_429_pauses_every_process(redis_url: str) -> None:
     assert 7 <= count(starts, at + 2.0, at + 3.0) <= 13
 
 
+def test_a_grant_waiting_through_pauses_starts_once_they_end(redis_url: str) -> None:
+    # Given grants of a 600 rpm limiter, the last booked to wait (the burst is spent)
+    store = redis.Redis.from_url(redis_url)
+    limiter = Limiter(store, "shifted", rpm=600)
+    grants = limiter.reserve(30)
+    assert grants[-1].wait_s > 0
+    # When 429s order pauses of fractional lengths while it sleeps, each extending the last,
+    # until the schedule's total shift is one that JSON's 14 digits round down
+    for k, grant in enumerate(grants[:-1]):
+        reply(grant, 429, {"retry-after-ms": f"{100 + 37.3 * k:.1f}"})
+        shift = float(store.hget("qrq:{shifted}:bucket", "shift") or 0)
+        if float(f"{shift:.14g}") < shift:
+            break
+    else:
+        pytest.skip("no pause left a shift that 14 digits round down")
+    started = threading.Event()
+
+    def wait() -> None:
+        grants[-1].wait()
+        started.set()
+
+    threading.Thread(target=wait, daemon=True).start()
+    # Then the waiting grant starts once they end (it checked in with the limiter for ever,
+    # renewing its lease, when the shift it had seen came back rounded and never matched)
+    assert started.wait(10), "the grant never started"
+
+
 def test_header_sync_lowers_level_and_rate(redis_url: str) -> None:
     # Given a config of rpm 6000 while the server enforces 3000
     limiter = Limiter(redis.Redis.from_url(redis_url), "sync", rpm=6000)

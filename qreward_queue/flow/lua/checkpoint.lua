@@ -6,7 +6,10 @@
 -- Returns {shift, extra_ms} (extra_ms 0 = go).
 local now = now_ms()
 local shift = tonumber(redis.call('HGET', KEYS[1], 'shift')) or 0
-local extra = math.max(0, shift - args.seen_shift)
+-- under 1 ms is no move: the shift a holder saw came back through JSON (14 significant
+-- digits), so it may differ from the stored one in its last digits
+local extra = shift - args.seen_shift
+if extra < 1 then extra = 0 end
 redis.call('ZADD', KEYS[2], num(now + extra + args.lease_ttl_ms), args.holder)
 expire_leases(KEYS[2], now)
 return cjson.encode({shift = shift, extra_ms = extra})
