@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 MAX_PENDING = 32  # finishes sent together at most
-LOOP_FINISH_DELAY_S = 0.02  # on the call loop, successes are finished together within this
+LOOP_FINISH_DELAY_S = 0.02  # on the call loop, successes telling nothing go together within this
 MIN_BLOCK_S = 0.002  # the shortest wait for a released lease
 CORROBORATE = 3  # replies that must agree before a limit below the configured one is believed
 CLAIM_WINDOW_S = 60.0  # ... each within this long of the one before (or a 429 saying it)
@@ -169,8 +169,8 @@ class Grant:
         return self._limiter._drive(self._release(feedback, self._limiter.finish_delay_s))
 
     async def release_async(self, feedback: Feedback) -> Reading:
-        """`release` on the call loop: a success waits up to LOOP_FINISH_DELAY_S to be sent
-        with others (one script for many calls)."""
+        """`release` on the call loop: a success that told nothing of the limits waits up to
+        LOOP_FINISH_DELAY_S to be sent with others (one script for many calls)."""
         limiter = self._limiter
         return await limiter._finish_async(self._release(feedback, limiter.loop_finish_delay_s))
 
@@ -391,9 +391,10 @@ class Limiter:
         says neither cuts the concurrency and pauses only for a usable Retry-After. Successes
         grow the concurrency. Returns what it made of the reply.
 
-        Successes may wait up to `delay_s` to be sent together (on the call loop, where one
-        script then carries many calls; in embedded mode, where every script costs
-        interpreter time); anything else is sent at once, with them.
+        Successes whose replies said nothing of the limits (a self-hosted judge's) may wait up
+        to `delay_s` to be sent together (on the call loop, where one script then carries many
+        calls; in embedded mode, where every script costs interpreter time); anything else,
+        limits told included, is sent at once, with them.
         """
         h = feedback.told
         if h.bounded:
@@ -407,10 +408,11 @@ class Limiter:
             event = "exhausted" if 0 in (h.remaining_requests, h.remaining_tokens) else "429"
             pause_s = h.pause_s()
         call: dict[str, Any] = {"holder": holder, "event": event, "told": {}}
+        says_limits = h != NOTHING_TOLD
         told = {
             "rpm": (h.remaining_requests, h.limit_requests, h.reset_requests_s, 0.0),
             "tpm": (h.remaining_tokens, h.limit_tokens, h.reset_tokens_s, refund),
-        } if refund or h != NOTHING_TOLD else {}  # (most replies of a self-hosted judge)
+        } if refund or says_limits else {}
         for lim in self._limits if told else ():
             remaining, per_min, reset_s, lim_refund = told[lim["name"]]
             entry = {name: value for name, value in (
@@ -424,8 +426,8 @@ class Limiter:
             self._pending.append(call)
             if len(self._pending) == 1:  # the first held back since the last flush
                 self._pending_since = now
-            due = (event != "ok" or not delay_s or len(self._pending) >= MAX_PENDING
-                   or now - self._pending_since >= delay_s)
+            due = (event != "ok" or says_limits or not delay_s
+                   or len(self._pending) >= MAX_PENDING or now - self._pending_since >= delay_s)
         if due:
             yield from self._flush(pause_s, "; ".join(h.bounded))
         cut = event == "congested" and self.max_concurrent > 0

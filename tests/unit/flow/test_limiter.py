@@ -314,6 +314,11 @@ def test_successes_are_held_back_to_be_finished_together(fake: fakeredis.FakeRed
     assert limiter.status()["leases_in_use"] == 3
     limiter.flush()
     assert limiter.status()["leases_in_use"] == 0
+    # and a success whose reply told the limits is learnt at once, with those held back
+    quiet, telling = limiter.reserve(2)
+    reply(quiet, 200)
+    reply(telling, 200, {"x-ratelimit-remaining-requests": "7"})
+    assert limiter.status()["leases_in_use"] == 0
 
 
 @pytest.mark.real_clock
