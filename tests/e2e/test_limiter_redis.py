@@ -21,6 +21,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from support import call, free_port, reply
 
+from qreward_queue import keys
 from qreward_queue.flow.limiter import Limiter, LimiterBusy
 from qreward_queue.flow.ratelimit_headers import NO_FEEDBACK
 
@@ -138,7 +139,7 @@ def test_a_grant_waiting_through_pauses_starts_once_they_end(redis_url: str) -> 
     # until the schedule's total shift is one that JSON's 14 digits round down
     for k, grant in enumerate(grants[:-1]):
         reply(grant, 429, {"retry-after-ms": f"{100 + 37.3 * k:.1f}"})
-        shift = float(store.hget("qrq:{shifted}:bucket", "shift") or 0)
+        shift = float(store.hget(keys.limiter("shifted")["bucket"], "shift") or 0)
         if float(f"{shift:.14g}") < shift:
             break
     else:
