@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 
 import pytest
 import redis
@@ -11,6 +12,12 @@ import redis
 REDIS_HOST = os.environ.get("QRQ_TEST_REDIS_HOST", "127.0.0.1")
 REDIS_PORT = int(os.environ.get("QRQ_TEST_REDIS_PORT", "6379"))
 REDIS_DB = int(os.environ.get("QRQ_TEST_REDIS_DB", "15"))
+
+# A shell without job control starts its background commands with SIGINT ignored, and Python
+# then installs no KeyboardInterrupt handler (nor do the `qrq` processes the tests start):
+# the Ctrl-C tests would wait for an interrupt that never comes. Ctrl-C means Ctrl-C here.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)
