@@ -27,6 +27,8 @@ import re
 import unicodedata
 from collections.abc import Sequence
 
+from .needed_words import may_match, needed_words
+
 FENCE_PREFIX = "response-"
 ON_INJECTION = ("score", "min", "zero")
 
@@ -149,6 +151,8 @@ _PATTERNS: dict[str, list[re.Pattern[str]]] = {
     ],
 }
 _BASE64_WORD = re.compile(r"[A-Za-z0-9+/]{12,}={0,2}")
+# the words without which each pattern cannot match: most patterns are not searched at all
+_NEEDS = {p: needed_words(p) for patterns in _PATTERNS.values() for p in patterns}
 
 
 def fence(texts: Sequence[str]) -> str:
@@ -182,11 +186,11 @@ def detect(text: str) -> tuple[str, ...]:
     smuggled = "".join(chr(ord(c) - 0xE0000) for c in "".join(_TAG_CHARS.findall(text)))
     texts = [text, *_decoded_words(text), smuggled]
     # folded to Latin, and as written (folding would spoil a Cyrillic word); each view once:
-    # for most texts the two are the same, and matching is most of a judge call's CPU
+    # for most texts the two are the same, and matching is much of a judge call's CPU
     views = list(dict.fromkeys([*(normalised(v) for v in texts if v),
                                 *(normalised(v, fold=False) for v in texts if v)]))
     for kind, patterns in _PATTERNS.items():
-        if any(p.search(view) for p in patterns for view in views):
+        if any(may_match(_NEEDS[p], view) and p.search(view) for p in patterns for view in views):
             found.add(kind)
     return tuple(k for k in KINDS if k in found)
 
