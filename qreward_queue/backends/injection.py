@@ -27,7 +27,7 @@ import re
 import unicodedata
 from collections.abc import Sequence
 
-from .needed_words import may_match, needed_words
+from .needed_words import Look
 
 FENCE_PREFIX = "response-"
 ON_INJECTION = ("score", "min", "zero")
@@ -151,8 +151,9 @@ _PATTERNS: dict[str, list[re.Pattern[str]]] = {
     ],
 }
 _BASE64_WORD = re.compile(r"[A-Za-z0-9+/]{12,}={0,2}")
+_KIND_OF = {p: kind for kind, patterns in _PATTERNS.items() for p in patterns}
 # the words without which each pattern cannot match: most patterns are not searched at all
-_NEEDS = {p: needed_words(p) for patterns in _PATTERNS.values() for p in patterns}
+_LOOK = Look(_KIND_OF)
 
 
 def fence(texts: Sequence[str]) -> str:
@@ -189,9 +190,10 @@ def detect(text: str) -> tuple[str, ...]:
     # for most texts the two are the same, and matching is much of a judge call's CPU
     views = list(dict.fromkeys([*(normalised(v) for v in texts if v),
                                 *(normalised(v, fold=False) for v in texts if v)]))
-    for kind, patterns in _PATTERNS.items():
-        if any(may_match(_NEEDS[p], view) and p.search(view) for p in patterns for view in views):
-            found.add(kind)
+    for view in views:
+        for pattern in _LOOK.searches(view):
+            if _KIND_OF[pattern] not in found and pattern.search(view):
+                found.add(_KIND_OF[pattern])
     return tuple(k for k in KINDS if k in found)
 
 

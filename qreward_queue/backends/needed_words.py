@@ -4,14 +4,17 @@
 returns sets of words such that every match contains a word of each set: a text holding no
 word of one set cannot match, so the search is skipped. Substring tests run at memory speed,
 while a pattern that begins with an alternation or an optional group is tried at every
-position of the text. Sound by construction: only parts every match must contain are read
-(literal runs, groups, repeats of at least one, alternations whose every branch needs a word);
-everything else is passed over, which only leaves fewer words.
+position of the text. `Look` holds the words of many patterns and tests each word once per
+text: one test per pattern and word costs more than the searches it saves on a short text.
+Sound by construction: only parts every match must contain are read (literal runs, groups,
+repeats of at least one, alternations whose every branch needs a word); everything else is
+passed over, which only leaves fewer words.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from re import _constants as sre  # type: ignore[attr-defined]
 from re import _parser as sre_parse  # type: ignore[attr-defined]
 from typing import Any
@@ -33,9 +36,25 @@ def needed_words(pattern: re.Pattern[str]) -> Needs:
     return tuple(useful[:MAX_SETS])
 
 
-def may_match(needs: Needs, text: str) -> bool:
-    """False only when `text` lacks every word of one of the sets: no match is possible."""
-    return all(any(word in text for word in words) for words in needs)
+class Look:
+    """Which of `patterns` are worth searching in a text, in their order."""
+
+    def __init__(self, patterns: Iterable[re.Pattern[str]]) -> None:
+        self.patterns = list(patterns)
+        self._needs = [(p, needed_words(p)) for p in self.patterns]
+        self.words = tuple(sorted({w for _, needs in self._needs for ws in needs for w in ws}))
+
+    def searches(self, text: str) -> list[re.Pattern[str]]:
+        """The patterns `text` holds a word of every needed set of: the others cannot match."""
+        present = frozenset(filter(text.__contains__, self.words))
+        found = []
+        for pattern, needs in self._needs:  # loops, not all(): this runs on every judge call
+            for words in needs:
+                if present.isdisjoint(words):
+                    break
+            else:
+                found.append(pattern)
+        return found
 
 
 def _needed(items: Any) -> list[frozenset[str]]:
