@@ -25,10 +25,17 @@ def queued_samples(queue: str) -> str:
 def share_keys(queue: str, level: int) -> dict[str, str]:
     """Fair shares of one queue's priority level (trainer/shares.py, flow/lua/share.lua): the
     jobs active on it (zset: job -> last seen, ms), the samples each has waiting in it (hash:
-    job -> count: + as its client publishes, - as a worker starts a task) and their weights
-    (hash: job -> weight). One hash tag, so that one script may touch them together."""
+    job -> count: + as its client publishes, - as a worker starts a task), their weights
+    (hash: job -> weight) and the channel a worker announces a start on. One hash tag, so
+    that one script may touch them together."""
     tag = f"{PREFIX}{{share:{queue}:{level}}}"
-    return {"active": f"{tag}:active", "queued": f"{tag}:queued", "weights": f"{tag}:weights"}
+    return {"active": f"{tag}:active", "queued": f"{tag}:queued", "weights": f"{tag}:weights",
+            "drained": f"{tag}:drained"}
+
+
+# the pub/sub channels of every level: a worker that starts a task publishes the job on its
+# level's `drained` channel, and each process's fair-share gate waits for that to check again
+SHARES_DRAINED = f"{PREFIX}{{share:*}}:drained"
 
 
 # A worker's heartbeat: `alive` every HEARTBEAT_S with a TTL of HEARTBEAT_TTL_S (a client

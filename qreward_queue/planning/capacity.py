@@ -49,7 +49,8 @@ class QueuedSamples:
         """`samples[queue]` samples were published to (< 0: taken from) each queue; one
         round trip. A count left behind by lost messages fades after QUEUED_TTL_S. With `job`
         and `level` (a worker's: the task's job and priority level), the job's own count on
-        that level, which its fair share is held to (trainer/shares.py), changes too."""
+        that level, which its fair share is held to (trainer/shares.py), changes too, and
+        samples taken off wake the processes' gates."""
         changes = {queue: n for queue, n in samples.items() if n}
         if not (self.counting and changes):
             return
@@ -58,7 +59,10 @@ class QueuedSamples:
                 pipe.incrby(keys.queued_samples(queue), n)
                 pipe.expire(keys.queued_samples(queue), QUEUED_TTL_S)
                 if job is not None and level is not None:
-                    pipe.hincrby(keys.share_keys(queue, level)["queued"], job, n)
+                    share = keys.share_keys(queue, level)
+                    pipe.hincrby(share["queued"], job, n)
+                    if n < 0:  # room on the level: the gates waiting for it look again
+                        pipe.publish(share["drained"], job)
             pipe.execute()
 
     def published(self, chunks: Iterable[Chunk], config: Config) -> None:

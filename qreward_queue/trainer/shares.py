@@ -11,15 +11,19 @@ slowed; a job that starts late has its share after about one drain of the queue.
 One atomic script (flow/lua/share.lua) per check: it marks the job active, reads every
 active job's count, grants whole chunks and books them, so that two processes of one job do
 not both use its share. Workers take a job's samples off as they start its tasks
-(capacity.QueuedSamples with the message's job). While the process holds chunks it checks
-every CHECK_EVERY_S, one script call per (backend, level, job) it holds chunks for; holding
-nothing, it makes no call. Embedded mode, and `[jobs] fair_shares = false`, have no gate;
+(capacity.QueuedSamples with the message's job) and announce it on the level's `drained`
+channel. While the process holds chunks, it checks when a worker announces a start (at most
+every CHECK_EVERY_S), and every RECHECK_S without one (another job's share falls to this one
+when it goes idle, which no worker announces), one script call per (backend, level, job) it
+holds chunks for; it waits in Redis (pub/sub), not on a timer. Holding nothing, it makes no
+call. Embedded mode, and `[jobs] fair_shares = false`, have no gate;
 a backend without an rpm limit (a local function, a judge limited by concurrency only) has no
 rate to size the depth by, and its chunks are queued at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -42,7 +46,8 @@ from .per_app import PerApp
 log = logging.getLogger("qreward_queue")
 TARGET_S = 1.0  # what all jobs may keep waiting on a level: this long at the backend's rate
 MIN_CHUNKS = 2  # ... and at least this many of the held chunks
-CHECK_EVERY_S = 0.05
+CHECK_EVERY_S = 0.05  # the most often the gate checks
+RECHECK_S = 0.5  # ... and the longest it waits for a worker's announcement to check again
 IDLE_MS = 1500  # a job seen no longer than this, or with samples waiting, is active
 STALE_MS = 30_000  # a job not seen this long is forgotten (its process is gone)
 KEEP_S = 3600  # the level's keys fade after this long unused
@@ -167,6 +172,7 @@ class Gate:
         return rate
 
     def _run(self) -> None:
+        drained = _Drained(self.app)
         while True:
             self._wake.wait()
             self._wake.clear()
@@ -176,6 +182,32 @@ class Gate:
                 except Exception:  # a held chunk's deadline still holds; the gate goes on
                     log.exception("qrq: the fair-share gate met an error (it goes on)")
                 time.sleep(CHECK_EVERY_S)
+                drained.wait(RECHECK_S)
+
+
+class _Drained:
+    """Waits in Redis until a worker announces that it took samples off a shared level
+    (`keys.SHARES_DRAINED`); Redis away, it waits CHECK_EVERY_S and subscribes again."""
+
+    def __init__(self, app: QrqCelery) -> None:
+        self.app = app
+        self._sub: redis.client.PubSub | None = None
+
+    def wait(self, seconds: float) -> None:
+        try:
+            if self._sub is None:
+                self._sub = self.app.store.pubsub(ignore_subscribe_messages=True)
+                self._sub.psubscribe(keys.SHARES_DRAINED)
+            if self._sub.get_message(timeout=seconds) is not None:
+                while self._sub.get_message(timeout=0.0) is not None:  # one check for them all
+                    pass
+        except (redis.RedisError, OSError) as exc:
+            log.debug("qrq: fair-share gate: no announcements from Redis (%s)", exc)
+            if self._sub is not None:
+                with contextlib.suppress(redis.RedisError, OSError):
+                    self._sub.close()
+            self._sub = None
+            time.sleep(CHECK_EVERY_S)
 
 
 _gates = PerApp(Gate)

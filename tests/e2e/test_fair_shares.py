@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from importlib import resources
 from pathlib import Path
 
@@ -281,6 +282,34 @@ def test_held_chunks_are_dropped_by_a_cancel_and_time_out_at_the_deadline(tmp_pa
     statuses = {o.status for o in late.outcomes()}
     assert statuses == {"timeout"} and late.resubmitted == 0
     assert gate.held() == 0
+
+
+def test_the_gate_waits_in_redis_for_a_worker_to_start_a_task(tmp_path, redis_url,
+                                                              monkeypatch):
+    monkeypatch.setattr(shares, "RECHECK_S", 30.0)  # only a worker's announcement wakes it
+    # Given no worker: a job's share of the queue fills at once and the rest is held
+    config = write_config(tmp_path, {"j": judge_backend("http://127.0.0.1:9", rpm=RPM)},
+                          redis_url=redis_url, route="j")
+    app = qreward_queue.configure(str(config))
+    gate = shares.gate(app)
+    assert gate is not None
+    checks: list[float] = []
+    check = gate._check
+    monkeypatch.setattr(gate, "_check", lambda *a: (checks.append(time.monotonic()), check(*a)))
+    batch = qreward_queue.submit_batch([{"prompt": f"p{i}", "response": "r"} for i in range(60)],
+                                       app=app, job="solo")
+    queue = app.qrq_config.backend("j").queue
+    published = int(app.store.hget(keys.share_keys(queue, 6)["queued"], "solo"))
+    held = gate.held_samples("j")
+    assert held == 60 - published > 0
+    # When nothing drains for a second, the gate does not look again (the submit's check,
+    # and the gate thread's first two as it subscribes; a 50 ms timer made 20 more)
+    time.sleep(1.0)
+    assert len(checks) <= 3, checks
+    # and when a worker starts a task of the job's, the gate publishes more at once
+    capacity.QueuedSamples.of(app).add({queue: -published}, "solo", 6)
+    wait_for(lambda: gate.held_samples("j") < held, 5, "the gate to publish on the news")
+    batch.cancel()
 
 
 def test_a_job_at_its_budget_queues_nothing(tmp_path, redis_url):
