@@ -22,6 +22,7 @@ groups judged (each after the wait), never a wrong score.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import threading
 import time
@@ -226,9 +227,10 @@ class MicroBatcher:
         watched = aio.watch(batch)
         watched.add_done_callback(lambda done: _distribute(done, items))
 
+        ended = itertools.count(1)  # next() is atomic: callers end on several threads
+
         def caller_gone(_: Future[Outcome]) -> None:  # the last caller gone: nobody waits any more
-            futures = [f for _, f in items]
-            if all(f.done() for f in futures) and any(f.cancelled() for f in futures):
+            if next(ended) == len(items) and any(f.cancelled() for _, f in items):
                 watched.cancel()
 
         for _, future in items:
