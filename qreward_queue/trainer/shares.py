@@ -16,8 +16,8 @@ channel. While the process holds chunks, it checks when a worker announces a sta
 every CHECK_EVERY_S), and every RECHECK_S without one (another job's share falls to this one
 when it goes idle, which no worker announces), one script call per (backend, level, job) it
 holds chunks for; it waits in Redis (pub/sub), not on a timer. Holding nothing, it makes no
-call. Embedded mode, and `[jobs] fair_shares = false`, have no gate;
-a backend without an rpm limit (a local function, a judge limited by concurrency only) has no
+call and listens to nothing. Embedded mode, and `[jobs] fair_shares = false`, have no gate; a
+backend without an rpm limit (a local function, a judge limited by concurrency only) has no
 rate to size the depth by, and its chunks are queued at once.
 """
 
@@ -183,11 +183,13 @@ class Gate:
                     log.exception("qrq: the fair-share gate met an error (it goes on)")
                 time.sleep(CHECK_EVERY_S)
                 drained.wait(RECHECK_S)
+            drained.close()  # holding nothing: no announcements pile up unread meanwhile
 
 
 class _Drained:
     """Waits in Redis until a worker announces that it took samples off a shared level
-    (`keys.SHARES_DRAINED`); Redis away, it waits CHECK_EVERY_S and subscribes again."""
+    (`keys.SHARES_DRAINED`); subscribed only while the gate holds chunks. Redis away, it waits
+    CHECK_EVERY_S and subscribes again."""
 
     def __init__(self, app: QrqCelery) -> None:
         self.app = app
@@ -203,11 +205,14 @@ class _Drained:
                     pass
         except (redis.RedisError, OSError) as exc:
             log.debug("qrq: fair-share gate: no announcements from Redis (%s)", exc)
-            if self._sub is not None:
-                with contextlib.suppress(redis.RedisError, OSError):
-                    self._sub.close()
-            self._sub = None
+            self.close()
             time.sleep(CHECK_EVERY_S)
+
+    def close(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(redis.RedisError, OSError):
+                self._sub.close()
+        self._sub = None
 
 
 _gates = PerApp(Gate)
