@@ -31,6 +31,13 @@ class _Flusher:
             self._thread.ensure()
             self._cond.notify()
 
+    def flush_all(self) -> None:
+        """Write everything buffered now, on the caller's thread."""
+        with self._cond:
+            ready, self._due = list(self._due), {}
+        for target in ready:
+            target.flush()
+
     def _run(self) -> None:
         while True:
             with self._cond:
@@ -52,3 +59,8 @@ _flusher = PerProcess(_Flusher)  # a forked child's work is its own, flushed by 
 def flush_at(target: Flushable, when: float) -> None:
     """Call `target.flush()` on the flushing thread at `when` (time.monotonic())."""
     _flusher.get().flush_at(target, when)
+
+
+def flush_all() -> None:
+    """Write what this process holds buffered now (a worker that stops must not drop it)."""
+    _flusher.get().flush_all()

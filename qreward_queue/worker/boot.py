@@ -15,10 +15,12 @@ from celery.signals import (
     after_setup_logger,
     after_setup_task_logger,
     task_received,
+    worker_process_shutdown,
     worker_ready,
+    worker_shutdown,
 )
 
-from .. import background, keys
+from .. import background, flushing, keys
 from ..backends import make_backend
 from ..broker.app import QrqCelery
 from ..config.loader import load_backend, load_config
@@ -110,6 +112,13 @@ def _mark_holder(sender, request, **_) -> None:
     if isinstance(app, QrqCelery) and not app.qrq_config.embedded:
         with contextlib.suppress(redis.RedisError):
             app.store.set(keys.held(request.id), sender.hostname, ex=keys.HELD_TTL_S)
+
+
+@worker_shutdown.connect
+@worker_process_shutdown.connect
+def _flush_buffered(**_) -> None:
+    """A stopping worker writes what it still buffers (spend totals, records) first."""
+    flushing.flush_all()
 
 
 @worker_ready.connect

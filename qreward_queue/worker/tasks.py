@@ -86,8 +86,7 @@ def score_chunk(self, **kwargs: Any) -> list[dict]:
                 config, app.flow.limiter(backend), breaker, attempt, bool(siblings), msg.deadline,
                 stop, record, app.flow.ledger(backend), msg.batch, msg.job,
             ).run(_with_level(config, self.request, [samples[i] for i in todo]))
-        finally:
-            app.flow.ledger(backend).flush()
+        finally:  # the backend's and job's totals follow within the ledger's flush period
             if recorder is not None:
                 recorder.flush()
         for k, pos in enumerate(todo):

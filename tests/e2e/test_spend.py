@@ -11,7 +11,7 @@ import json
 
 import pytest
 from click.testing import CliRunner
-from support import expected, judge_backend, start_workers, write_config
+from support import expected, judge_backend, start_workers, wait_for, write_config
 from test_chaos import hostile
 
 import qreward_queue
@@ -63,8 +63,15 @@ def test_spend_per_backend_in_summary_status_and_the_exporter(tmp_path, redis_ur
     (mute_spend,) = muted.summary()["spend"].values()
     assert mute_spend["calls"] == mute_spend["estimated_calls"] == 10, mute_spend
     assert mute_spend["tokens_in"] > 0 and mute_spend["cost"] == 0.0
-    # and `qrq status` shows each backend's totals, in JSON and in the table
-    rows = status_json(config_path)
+    # and `qrq status` shows each backend's totals (written within the workers' flush
+    # period), in JSON and in the table
+    totals = {"j": spent["j"], "mute": mute_spend}
+
+    def written() -> dict | None:
+        rows = status_json(config_path)
+        return rows if all(rows[b]["spend"]["total"] == totals[b] for b in totals) else None
+
+    rows = wait_for(written, 10, "the totals")
     assert rows["j"]["spend"]["total"] == spent["j"], rows["j"]
     assert rows["j"]["spend"]["this_hour"] == spent["j"]
     table = CliRunner().invoke(cli, ["status", "--config", str(config_path)]).output
@@ -111,10 +118,12 @@ def test_a_budget_stops_calls_fails_over_and_names_itself(tmp_path, redis_url, s
     assert {o.status for o in alone} == {"error"}
     assert all("budget tokens_total = 3000 of backend 'j' reached" in o.error for o in alone)
     assert judges["j"].stats()["requests"] == j_truth["requests"]
-    # and `qrq status` shows the cap, what is used and what is left
-    budget = status_json(config_path)["j"]["spend"]["budgets"]["tokens_total"]
+    # and `qrq status` shows the cap, what is used and what is left (once the workers' flush
+    # has given back what the calls booked)
     used = j_truth["prompt_tokens"] + j_truth["completion_tokens"]
-    assert budget == {"limit": cap, "used": used, "left": cap - used}, budget
+    want = {"limit": cap, "used": used, "left": cap - used}
+    wait_for(lambda: status_json(config_path)["j"]["spend"]["budgets"]["tokens_total"] == want,
+             10, f"the budget's figures {want}")
     table = CliRunner().invoke(cli, ["status", "--config", str(config_path)]).output
     assert f"j: budget tokens_total 3,000: {used:,} used, {cap - used:,} left" in table, table
 
