@@ -53,7 +53,7 @@ def install() -> None:
     _remember(kombu_redis.Channel, "_connparams", dict)
     _remember(getattr(kombu_redis, "SentinelChannel", None), "_sentinel_managed_pool", None)
     if not getattr(kombu_redis.Channel.conn_or_acquire, _MARK, False):
-        setattr(kombu_redis.Channel, "conn_or_acquire", _conn_or_acquire)
+        kombu_redis.Channel.conn_or_acquire = _conn_or_acquire  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
