@@ -52,10 +52,8 @@ class _Renewer:
         self._thread = Daemon("qrq-lease", self._run)
 
     def hold(self, store: redis.Redis, batch_id: str, lease_s: float) -> None:
-        ttl_ms = keys.lease_ttl_ms(lease_s)
-        store.set(keys.lease(batch_id), LIVE, px=ttl_ms, nx=True)  # nx: a cancel stays
         with self._lock:
-            self._held[batch_id] = (store, ttl_ms)
+            self._held[batch_id] = (store, keys.lease_ttl_ms(lease_s))
             self._scripts.setdefault(id(store), store.register_script(_RENEW))
             self._thread.ensure()
 
@@ -84,8 +82,24 @@ class _Renewer:
 _renewer = PerProcess(_Renewer)  # a forked child: the parent's batches are the parent's
 
 
-def hold(owner: object, store: redis.Redis, batch_id: str, lease_s: float) -> None:
-    """Keep `batch_id`'s lease live while `owner` (the RewardBatch) exists and until `end`."""
+def begin(store: redis.Redis, batch_id: str, lease_s: float,
+          sentinel: tuple[str, float] | None = None) -> None:
+    """Set `batch_id`'s lease `live` (nx: a cancel stays) and, with `sentinel` (its key and
+    seconds to keep it), the batch's sentinel after it, in one round trip. Redis losing its
+    data takes the sentinel with it; the lease comes first, so that no worker sees the
+    sentinel without a live lease."""
+    with store.pipeline(transaction=False) as pipe:
+        pipe.set(keys.lease(batch_id), LIVE, px=keys.lease_ttl_ms(lease_s), nx=True)
+        if sentinel is not None:
+            pipe.set(sentinel[0], 1, px=int(sentinel[1] * 1000))
+        pipe.execute()
+
+
+def hold(owner: object, store: redis.Redis, batch_id: str, lease_s: float,
+         sentinel: tuple[str, float] | None = None) -> None:
+    """`begin` the lease, then keep it live while `owner` (the RewardBatch) exists and until
+    `end`."""
+    begin(store, batch_id, lease_s, sentinel)
     renewer = _renewer.get()
     renewer.hold(store, batch_id, lease_s)
     weakref.finalize(owner, renewer.drop, batch_id)  # a batch nobody holds: let it lapse

@@ -5,8 +5,12 @@ Celery loads them by name (`result_backend` names this module) when results are 
 
 from __future__ import annotations
 
+from functools import cached_property
+from typing import Any
+
 from celery.backends.cache import CacheBackend
 from celery.backends.redis import RedisBackend, SentinelBackend
+from kombu.utils.encoding import bytes_to_str
 
 from ..config.redis_conn import FollowingConnection
 
@@ -22,11 +26,44 @@ class _NoRetryState:
         return None
 
 
+# A stored SUCCESS stays (a late duplicate run of the task must not overwrite it, as in
+# Celery's own store); else the result is set, with its expiry when one is configured
+_STORE = """
+local held = redis.call('GET', KEYS[1])
+if held then
+  local ok, meta = pcall(cjson.decode, held)
+  if ok and type(meta) == 'table' and meta.status == 'SUCCESS' then return 0 end
+end
+if ARGV[2] == '0' then redis.call('SET', KEYS[1], ARGV[1])
+else redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2]) end
+return 1
+"""
+
+
 class QrqRedisBackend(_NoRetryState, RedisBackend):
-    """RewardBatch polls results with MGET, so no pub/sub subscription per published task."""
+    """The client reads results with MGET when a task's end is announced (records.py), so
+    no pub/sub subscription per published task and no PUBLISH per stored result."""
 
     def on_task_call(self, producer, task_id) -> None:
         return None
+
+    def _store_result(self, task_id, result, state, traceback=None, request=None,
+                      **kwargs) -> Any:
+        """Celery's store (a SUCCESS already there stays) in one round trip: its check (a
+        GET) and write (SETEX and PUBLISH in MULTI) were two, for every task."""
+        meta = self._get_result_meta(result=result, state=state, traceback=traceback,
+                                     request=request)
+        meta["task_id"] = bytes_to_str(task_id)
+        expires = int(self.expires) if self.expires else 0
+        self.ensure(self._stored, (self.get_key_for_task(task_id), self.encode(meta), expires))
+        return result
+
+    def _stored(self, key: bytes, value: str, expires: int) -> None:
+        self._store_script(keys=[key], args=[value, expires])
+
+    @cached_property
+    def _store_script(self) -> Any:
+        return self.client.register_script(_STORE)
 
     def forget_many(self, task_ids: list[str]) -> None:
         """Drop results the client has read (one DEL; `result_expires` stays the safety net)."""

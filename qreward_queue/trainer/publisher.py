@@ -34,7 +34,8 @@ class Publisher:
         config = self.app.qrq_config
         if not config.embedded and not self.sentinel:
             self.sentinel = keys.batch_sentinel(self.batch_id)
-            lease.hold(owner, self.app.store, self.batch_id, config.lease_s)
+            lease.hold(owner, self.app.store, self.batch_id, config.lease_s,
+                       (self.sentinel, self.keep_s()))
         expires = max(1.0, self.deadline - time.time())
         # kombu's publish batch sends every message in one pipelined round trip on Redis
         with self.app.producer_or_acquire() as producer, producer.batch():
@@ -53,24 +54,13 @@ class Publisher:
                     **summary(chunk.backend, samples),
                 )
         QueuedSamples.of(self.app).published(list(messages.values()), config)  # the planner's
-        if self.sentinel:
-            self.set_sentinel()
-
-    def set_sentinel(self) -> None:
-        """Redis losing its data (a restart without persistence) takes this key with it; the
-        lease is set first, so that no worker sees the sentinel without a live lease."""
-        assert self.sentinel is not None
-        ttl_ms = keys.lease_ttl_ms(self.app.qrq_config.lease_s)
-        with self.app.store.pipeline(transaction=False) as pipe:  # nx: a cancel stays
-            pipe.set(keys.lease(self.batch_id), lease.LIVE, px=ttl_ms, nx=True)
-            pipe.set(self.sentinel, 1, px=int(self.keep_s() * 1000))
-            pipe.execute()
 
     def sentinel_lost(self) -> bool:
-        """True if Redis lost the batch's sentinel (its data); the sentinel is set again."""
+        """True if Redis lost the batch's sentinel (its data); it is set again, lease first."""
         if not self.sentinel or self.app.store.exists(self.sentinel):
             return False
-        self.set_sentinel()
+        lease.begin(self.app.store, self.batch_id, self.app.qrq_config.lease_s,
+                    (self.sentinel, self.keep_s()))
         return True
 
     def end(self, state: bytes) -> None:
