@@ -143,14 +143,15 @@ def cpu_s(pids: list[int]) -> float:
     return total
 
 
-async def through_score_one(config: Path, rate: float, seconds: float, wait_ms: float) -> dict:
+async def through_score_one(config: Path, rate: float, seconds: float, wait_ms: float,
+                            max_in_flight: int) -> dict:
     """open_loop of one-sample scores from this process (qrq's trainer adapters' path: the
     same micro-batcher, no HTTP): what the queue and the worker take, without the gateway."""
     import qreward_queue
     from qreward_queue.trainer.batcher import MicroBatcher
 
     qreward_queue.configure(config)
-    batcher = MicroBatcher(64, wait_ms)
+    batcher = MicroBatcher(64, wait_ms, max_in_flight=max_in_flight or None)
 
     async def send(i: int) -> bool:
         outcome = await batcher.score({"prompt": f"Is 2+2=4? case {i}", "response": "4"},
@@ -178,11 +179,11 @@ def start(cmd: list[str], log: Path, env: dict, ready_url: str, timeout_s: float
 
 
 def gateway(stack: contextlib.ExitStack, config: Path, directory: Path,
-            wait_ms: float = 2.0) -> tuple[str, int]:
+            wait_ms: float = 2.0, max_in_flight: int = 4) -> tuple[str, int]:
     """A gateway's URL and pid."""
     port = free_port()
     proc = start([sys.executable, "-m", "qreward_queue.cli", "gateway", "--port", str(port),
-                  "--chat-max-wait-ms", str(wait_ms)],
+                  "--chat-max-wait-ms", str(wait_ms), "--max-in-flight", str(max_in_flight)],
                  directory / f"gateway-{port}.log", {"QRQ_CONFIG": str(config)},
                  f"http://127.0.0.1:{port}/health")
     stack.callback(lambda: (proc.terminate(), proc.wait(10)))
@@ -190,7 +191,8 @@ def gateway(stack: contextlib.ExitStack, config: Path, directory: Path,
 
 
 def qrq_stack(stack: contextlib.ExitStack, directory: Path, judge_url: str, rpm: float,
-              gateways: int, wait_ms: float = 2.0) -> tuple[Path, list[str], dict[str, int]]:
+              gateways: int, wait_ms: float = 2.0, max_in_flight: int = 4
+              ) -> tuple[Path, list[str], dict[str, int]]:
     """A worker and `gateways` gateways; their URLs, and the pids of the worker and the
     first gateway."""
     import redis
@@ -201,7 +203,8 @@ def qrq_stack(stack: contextlib.ExitStack, directory: Path, judge_url: str, rpm:
         route="judge", deadline_s=60)
     [worker] = start_workers(config, [("judge", "judge@bench")])
     stack.callback(worker.kill)
-    urls, pids = zip(*(gateway(stack, config, directory, wait_ms) for _ in range(gateways)),
+    urls, pids = zip(*(gateway(stack, config, directory, wait_ms, max_in_flight)
+                       for _ in range(gateways)),
                      strict=True)
     return config, list(urls), {"gateway": pids[0], "worker": worker.proc.pid}
 
@@ -210,12 +213,14 @@ def added_latency(args: argparse.Namespace) -> list[dict]:
     rows = []
     with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
         judge = stack.enter_context(spawn(MockJudgeSettings(latency_ms=20, latency_cv=0)))
-        config, [url], pids = qrq_stack(stack, Path(tmp), judge.url, 0, 1, args.wait_ms)
+        config, [url], pids = qrq_stack(stack, Path(tmp), judge.url, 0, 1, args.wait_ms,
+                                        args.max_in_flight)
         chat = url + "/v1/chat/completions"
         loaded(chat, 100, 2.0, args.clients)  # warm up: connections, worker threads
         for rate in map(float, args.rate.split(",")):
             direct = loaded(judge.url + "/v1/chat/completions", rate, args.seconds, args.clients)
-            core = asyncio.run(through_score_one(config, rate, args.seconds, args.wait_ms))
+            core = asyncio.run(through_score_one(config, rate, args.seconds, args.wait_ms,
+                                                 args.max_in_flight))
             core.pop("latencies"), core.pop("elapsed_s")
             before = {name: cpu_s([pid]) for name, pid in pids.items()}
             via = loaded(chat, rate, args.seconds, args.clients)
@@ -227,6 +232,7 @@ def added_latency(args: argparse.Namespace) -> list[dict]:
             rows.append({
                 "benchmark": "gateway_added_latency", "rate": rate, "seconds": args.seconds,
                 "clients": args.clients, "max_wait_ms": args.wait_ms,
+                "max_in_flight": args.max_in_flight,
                 "direct": direct, "score_one": core, "gateway": via, **cpu_ms,
                 "gateway_over_score_one_p50_ms": round(via["p50_ms"] - core["p50_ms"], 2),
                 "gateway_over_score_one_p99_ms": round(via["p99_ms"] - core["p99_ms"], 2),
@@ -338,6 +344,9 @@ def main() -> None:
     parser.add_argument("--start-at", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--wait-ms", type=float, default=2.0,
                         help="the micro-batchers' longest wait (gateway: --chat-max-wait-ms)")
+    parser.add_argument("--max-in-flight", type=int, default=4,
+                        help="the micro-batchers' batches out at once (gateway: "
+                             "--max-in-flight; 0: no limit, as before it existed)")
     parser.add_argument("--side-by-side", action="store_true")
     parser.add_argument("--litellm", help="the `litellm` executable of a litellm[proxy] venv")
     parser.add_argument("--rpm", type=float, default=600.0)

@@ -456,10 +456,14 @@ def dead_letters(config_path: str | None, limit: int) -> None:
               help="Longest wait to fill one (the RM endpoints).")
 @click.option("--chat-max-wait-ms", default=2.0, show_default=True,
               help="Longest wait to fill one (chat requests: each adds this much at most).")
+@click.option("--max-in-flight", default=4, show_default=True,
+              help="Micro-batches out at once per batcher; past that, requests wait (up to "
+                   "50 ms) for one to end and go together (0: no limit).")
 @click.option("--deadline-s", type=float,
               help="Answer by then (default 150 s for OpenRLHF, 100 s for slime).")
 def gateway(config_path: str | None, host: str, port: int, route: str | None, max_items: int,
-            max_wait_ms: float, chat_max_wait_ms: float, deadline_s: float | None) -> None:
+            max_wait_ms: float, chat_max_wait_ms: float, max_in_flight: int,
+            deadline_s: float | None) -> None:
     """Remote-RM HTTP server (OpenRLHF POST /get_reward, slime POST /slime) and an
     OpenAI-compatible front door (POST /v1/chat/completions, POST /v1/completions, GET
     /v1/models); GET /health."""
@@ -481,8 +485,11 @@ def gateway(config_path: str | None, host: str, port: int, route: str | None, ma
                " GET /v1/models, GET /health)")
     deadlines = {} if deadline_s is None else {"openrlhf_deadline_s": deadline_s,
                                                "slime_deadline_s": deadline_s}
-    serve(host, port, Gateway(route, MicroBatcher(max_items, max_wait_ms), **deadlines,
-                              keys=keys, chat_batcher=MicroBatcher(max_items, chat_max_wait_ms)))
+    out = max_in_flight or None
+    serve(host, port, Gateway(route, MicroBatcher(max_items, max_wait_ms, max_in_flight=out),
+                              **deadlines, keys=keys,
+                              chat_batcher=MicroBatcher(max_items, chat_max_wait_ms,
+                                                        max_in_flight=out)))
 
 
 def _warn_if_open(host: str, what: str, authenticated: bool, how: str) -> None:

@@ -7,8 +7,12 @@ holds `max_items` samples or its oldest sample has waited `max_wait_ms`. Outcome
 through the process's one reader (collector.py), so callers on any event loop, or plain
 threads, hold no thread while they wait; each caller gets its outcome as soon as its own
 sample is scored, not when the whole batch is. Routes and priorities are never mixed in one
-batch. A batch that nobody waits for any more (its callers served or cancelled, one at least
-cancelled) is cancelled too; while one of them still waits, it goes on.
+batch. With `max_in_flight`, a batcher that has that many batches out holds new samples
+until one of them ends (or `max_hold_ms` passes, or a queue is full): under a load the workers
+cannot take one sample at a time, batches grow instead of queueing up, since each batch
+costs a task's bookkeeping whatever its size. A batch that nobody waits for any more (its
+callers served or cancelled, one at least cancelled) is cancelled too; while one of them
+still waits, it goes on.
 
 On a route whose judges score whole groups (`mode = "group"`), a caller's sample is held
 until its group is complete, then the group joins the queue whole and no flush cuts it: its
@@ -84,15 +88,21 @@ class MicroBatcher:
             samples; then what arrived is sent.
         group_size: on a group-mode route, the samples of a complete group when the sample
             does not say (`group_size`); None: each group waits `group_wait_ms`.
+        max_in_flight: with this many batches out (sent, not ended), a queue waits for one
+            to end before it is sent, up to `max_hold_ms` (None: no such wait).
+        max_hold_ms: the longest that wait lasts, from the queue's oldest sample.
     """
 
     def __init__(self, max_items: int = 64, max_wait_ms: float = 20.0,
-                 group_wait_ms: float = 2000.0, group_size: int | None = None):
-        if max_items < 1 or max_wait_ms < 0 or group_wait_ms < 0 or (group_size or 1) < 1:
-            raise ValueError("max_items and group_size must be >= 1, max_wait_ms and "
-                             "group_wait_ms >= 0")
+                 group_wait_ms: float = 2000.0, group_size: int | None = None,
+                 max_in_flight: int | None = None, max_hold_ms: float = 50.0):
+        if max_items < 1 or max_wait_ms < 0 or group_wait_ms < 0 or (group_size or 1) < 1 \
+                or (max_in_flight or 1) < 1 or max_hold_ms < 0:
+            raise ValueError("max_items, group_size and max_in_flight must be >= 1, "
+                             "max_wait_ms, group_wait_ms and max_hold_ms >= 0")
         self.max_items, self.max_wait_s = max_items, max_wait_ms / 1000
         self.group_wait_s, self.group_size = group_wait_ms / 1000, group_size
+        self.max_in_flight, self.max_hold_s = max_in_flight, max(max_hold_ms, max_wait_ms) / 1000
         self._grouped: dict[str | None, bool] = {}
         self._start_fresh()
 
@@ -100,6 +110,7 @@ class MicroBatcher:
         """New lock, queues and thread: at creation, and in a forked child (whose copy of the
         parent's lock may be held and whose queued callers live in the parent)."""
         self.batches_sent = 0
+        self.in_flight = 0  # batches sent and not ended
         self._pid = os.getpid()
         self._cond = threading.Condition()
         self._queues: dict[_Key, _Queue] = {}
@@ -193,21 +204,31 @@ class MicroBatcher:
                 self._send(key, items)
 
     def _next_wait(self) -> float | None:
+        wait_s = self._wait_s()
         times = [t for q in self._queues.values()
-                 for t in ([q.ready_since + self.max_wait_s] if q.ready_since else [])
+                 for t in ([q.ready_since + wait_s] if q.ready_since else [])
                  + [held.opened + self.group_wait_s for held in q.held.values()]]
         return max(0.0, min(times) - time.monotonic()) if times else None
 
+    def _wait_s(self) -> float:
+        """How long a queue's oldest sample waits for more: longer while the batches out are
+        as many as allowed (one ending wakes the flusher)."""
+        full = self.max_in_flight is not None and self.in_flight >= self.max_in_flight
+        return self.max_hold_s if full else self.max_wait_s
+
     def _take_due(self) -> list[tuple[_Key, list[_Item]]]:
-        now, due = time.monotonic(), []
+        now, due, wait_s = time.monotonic(), [], self._wait_s()
         for key, queue in list(self._queues.items()):
             for group, held in list(queue.held.items()):
                 if now - held.opened >= self.group_wait_s:  # waited enough: what it has
                     queue.add(queue.held.pop(group).items, now)
             since = queue.ready_since
-            if queue.ready >= self.max_items or (since and now - since >= self.max_wait_s):
+            if queue.ready >= self.max_items or (since and now - since >= wait_s):
                 units = [[(s, f) for s, f in unit if not f.cancelled()] for unit in queue.units]
-                due += [(key, items) for items in pack([u for u in units if u], self.max_items)]
+                batches = [(key, items) for items in pack([u for u in units if u],
+                                                          self.max_items)]
+                self.in_flight += len(batches)
+                due += batches
                 queue.units, queue.ready_since = [], None
             if not queue.units and not queue.held:
                 del self._queues[key]
@@ -219,13 +240,14 @@ class MicroBatcher:
             batch = submit_batch([s for s, _ in items], route=route, priority=priority,
                                  deadline_s=deadline_s, on_invalid="outcome", job=job)
         except Exception as exc:  # e.g. an unknown route, Redis down: every caller learns why
+            self._ended()
             for _, future in items:
                 _settle(future, exc)
             return
         self.batches_sent += 1
         batch.on_outcome(lambda i, outcome: _settle(items[i][1], outcome))
         watched = aio.watch(batch)
-        watched.add_done_callback(lambda done: _distribute(done, items))
+        watched.add_done_callback(lambda done: self._over(done, items))
 
         ended = itertools.count(1)  # next() is atomic: callers end on several threads
 
@@ -235,6 +257,17 @@ class MicroBatcher:
 
         for _, future in items:
             future.add_done_callback(caller_gone)
+
+
+    def _over(self, done: Future[list[Outcome]], items: list[_Item]) -> None:
+        self._ended()
+        _distribute(done, items)
+
+    def _ended(self) -> None:
+        """A batch is over: the queues held for it may go."""
+        with self._cond:
+            self.in_flight -= 1
+            self._cond.notify()
 
 
 def _distribute(done: Future[list[Outcome]], items: list[_Item]) -> None:

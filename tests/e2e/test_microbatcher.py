@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import threading
+import time
 
 import pytest
+from support import wait_for
 from trainer_stack import start_stack
 
 import qreward_queue as qrq
@@ -153,3 +155,37 @@ def test_a_bad_route_fails_every_caller_of_that_flush_with_the_reason(exact_stac
 
     errors = asyncio.run(main())
     assert all(isinstance(e, qrq.UnknownRoute) and "nope" in str(e) for e in errors)
+
+
+def test_with_its_batches_out_a_batcher_gathers_what_comes_meanwhile(stack, tmp_path,
+                                                                      redis_url, monkeypatch):
+    # Given a judge that holds its replies, and a batcher allowed one batch out at a time
+    app, judge, _ = start_stack(stack, tmp_path, redis_url, backends=("judge",))
+    sent: list[list[int]] = []
+    real_submit = batcher_module.submit_batch
+
+    def recording_submit(samples, **kwargs):
+        sent.append([s["id"] for s in samples])
+        return real_submit(samples, **kwargs)
+
+    monkeypatch.setattr(batcher_module, "submit_batch", recording_submit)
+    batcher = MicroBatcher(max_items=64, max_wait_ms=0, max_in_flight=1, max_hold_ms=60_000)
+    judge.hold(0)
+    try:
+        samples = numbered(31, "held")
+        # When one sample goes out, and 30 more come while its batch is out
+        first = batcher.submit(samples[0], "judge")
+        wait_for(lambda: sent, 30, "the first batch to be sent")
+        rest = [batcher.submit(s, "judge") for s in samples[1:]]
+        # Then they wait for it: no second batch while the judge holds the first's reply
+        time.sleep(1.0)
+        assert len(sent) == 1, sent
+        judge.release()
+        outcomes = [first.result(60), *(f.result(60) for f in rest)]
+    finally:
+        judge.release()
+    # and go together once it ended, each caller with its own outcome
+    assert sent == [[0], list(range(1, 31))]
+    assert [o.status for o in outcomes] == ["ok"] * 31
+    assert [o.id for o in outcomes] == list(range(31))
+    wait_for(lambda: batcher.in_flight == 0, 10, "the batches to be counted over")
