@@ -160,7 +160,7 @@ def test_a_bad_route_fails_every_caller_of_that_flush_with_the_reason(exact_stac
 def test_with_its_batches_out_a_batcher_gathers_what_comes_meanwhile(stack, tmp_path,
                                                                       redis_url, monkeypatch):
     # Given a judge that holds its replies, and a batcher allowed one batch out at a time
-    app, judge, _ = start_stack(stack, tmp_path, redis_url, backends=("judge",))
+    _, judge, _ = start_stack(stack, tmp_path, redis_url, backends=("judge",))
     sent: list[list[int]] = []
     real_submit = batcher_module.submit_batch
 
