@@ -258,7 +258,6 @@ class MicroBatcher:
         for _, future in items:
             future.add_done_callback(caller_gone)
 
-
     def _over(self, done: Future[list[Outcome]], items: list[_Item]) -> None:
         self._ended()
         _distribute(done, items)
