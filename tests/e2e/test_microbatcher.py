@@ -178,7 +178,8 @@ def test_with_its_batches_out_a_batcher_gathers_what_comes_meanwhile(stack, tmp_
         wait_for(lambda: sent, 30, "the first batch to be sent")
         rest = [batcher.submit(s, "judge") for s in samples[1:]]
         # Then they wait for it: no second batch while the judge holds the first's reply
-        time.sleep(1.0)
+        # (half the backend's 1 s call timeout: the first call is still waiting)
+        time.sleep(0.5)
         assert len(sent) == 1, sent
         judge.release()
         outcomes = [first.result(60), *(f.result(60) for f in rest)]
