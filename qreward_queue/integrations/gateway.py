@@ -63,7 +63,8 @@ class Gateway:
         app = get_app()
         self.ledger = JobLedger(None if app.qrq_config.embedded else app.store, app.qrq_config)
         self.chat = ChatCompletions(
-            chat_batcher or MicroBatcher(self.batcher.max_items, self.batcher.max_wait_s * 1000),
+            chat_batcher or MicroBatcher(self.batcher.max_items, self.batcher.max_wait_s * 1000,
+                                         max_in_flight=self.batcher.max_in_flight),
             self.ledger, _job)
         self.pending = 0
 
