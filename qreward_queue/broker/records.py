@@ -132,17 +132,18 @@ def _keep_s(deadline: float | None) -> int:
 class Recorder:
     """Buffers finished outcomes of one task and writes them to the batch's hash and its
     client's inbox in one round trip, FLUSH_EVERY_S after the previous write at the latest
-    (the process's flusher thread does it, so the last samples of a burst need no later
-    record to carry them), and at `flush`. A write that fails (Redis away) keeps its records
-    for the next one: recording is an economy, never a reason to fail a task.
+    (the process's flusher thread does it, with the other writes then due, so the last
+    samples of a burst need no later record to carry them), and at `flush`. A write that
+    fails (Redis away) keeps its records for the next one: recording is an economy, never a
+    reason to fail a task.
 
-    `paid` writes the spend of the calls behind the outcomes (the batch's share of the
-    backend's ledger, `Ledger.flush_batch`): it runs after the outcomes to write are taken and
-    before they are written, so whoever reads an outcome finds its call's spend already
-    counted (a batch's summary right after its last outcome is exact)."""
+    `paid(pipe)` queues the spend of the calls behind the outcomes on the same round trip,
+    before them (the batch's share of the backend's ledger, `Ledger.stage_batch`), so
+    whoever reads an outcome finds its call's spend already counted (a batch's summary right
+    after its last outcome is exact)."""
 
     def __init__(self, store: redis.Redis, batch_id: str, deadline: float | None,
-                 paid: Callable[[], None] = lambda: None):
+                 paid: Callable[[Any], flushing.Written | None] = lambda pipe: None):
         self.store, self.batch_id, self.key = store, batch_id, keys.records(batch_id)
         self.paid = paid
         self.keep_s = _keep_s(deadline)
@@ -165,21 +166,28 @@ class Recorder:
             flushing.flush_at(self, due)
 
     def flush(self) -> None:
+        """Write what is buffered now."""
+        flushing.write([self])
+
+    def stage(self, pipe: Any) -> flushing.Written | None:
+        """Queue the buffered records on `pipe` (see `flushing.Flushable`)."""
         with self._lock:
             batch, self._buffer, self._scheduled = self._buffer, {}, False
             self._last = time.monotonic()
         if not batch:
-            return
-        self.paid()  # a call's spend is added before its outcomes are recorded
-        try:
-            with self.store.pipeline(transaction=False) as pipe:
-                # redis-py's mapping type is invariant in its key: dict[str, str] is one
-                pipe.hset(self.key, mapping=batch)  # type: ignore[arg-type]
-                pipe.expire(self.key, self.keep_s)
-                logged = ",".join(f"[{i},{outcome}]" for i, outcome in batch.items())
-                _announce(pipe, self.batch_id, self.keep_s, r=f"[{logged}]")
-                pipe.execute()
-            _news.get().told()
-        except _REDIS_DOWN:  # the next record schedules the next try (or the task's last flush)
-            with self._lock:
-                self._buffer = {**batch, **self._buffer}
+            return None
+        paid = self.paid(pipe)  # a call's spend is added before its outcomes are recorded
+        pipe.hset(self.key, mapping=batch)
+        pipe.expire(self.key, self.keep_s)
+        logged = ",".join(f"[{i},{outcome}]" for i, outcome in batch.items())
+        _announce(pipe, self.batch_id, self.keep_s, r=f"[{logged}]")
+
+        def written(ok: bool) -> None:
+            if paid is not None:
+                paid(ok)
+            if ok:
+                _news.get().told()
+            else:  # the next record schedules the next try (or the task's last flush)
+                with self._lock:
+                    self._buffer = {**batch, **self._buffer}
+        return written

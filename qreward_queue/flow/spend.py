@@ -176,48 +176,53 @@ class Ledger:
             flushing.flush_at(self, due)
 
     def flush(self) -> None:
-        """Write what was added (one round trip); kept for the next flush if Redis is away."""
+        """Write what was added now (one round trip); kept for the next write if Redis is
+        away."""
+        flushing.write([self])
+
+    def stage(self, pipe: Any) -> flushing.Written | None:
+        """Queue the writes of what was added on `pipe` (see `flushing.Flushable`)."""
         with self._lock:
             tally, held, batches = self._tally, self._held, self._batches
             self._tally, self._held, self._batches = {}, {}, {}
             self._last, self._scheduled = time.monotonic(), False
-        self._write(tally, held, batches)
+        return self._staged(pipe, tally, held, batches)
 
-    def flush_batch(self, batch_id: str) -> None:
-        """Write one batch's share of what was added now (the backend's and jobs' totals go
-        with the next flush): what a reader of the batch's outcomes sums, in a round trip of
-        a few commands."""
+    def stage_batch(self, batch_id: str, pipe: Any) -> flushing.Written | None:
+        """Queue the writes of one batch's share of what was added on `pipe` (the backend's
+        and jobs' totals go with the next flush): what a reader of the batch's outcomes
+        sums, a few commands in the round trip that records them."""
         with self._lock:
             values = self._batches.pop(batch_id, None)
-        if values is not None:
-            self._write({}, {}, {batch_id: values})
+        return None if values is None else self._staged(pipe, {}, {}, {batch_id: values})
 
-    def _write(self, tally: dict[tuple[int, str], list[int]], held: dict[int, list[int]],
-               batches: dict[str, list[int]]) -> None:
+    def _staged(self, pipe: Any, tally: dict[tuple[int, str], list[int]],
+                held: dict[int, list[int]], batches: dict[str, list[int]]
+                ) -> flushing.Written | None:
         if not tally and not held and not batches:
-            return
+            return None
         name = self.backend.name
-        try:
-            with self.store.pipeline(transaction=False) as pipe:
-                for (hour, job), values in tally.items():
-                    pipe.sadd(keys.JOBS, job)
-                    for key in (keys.spend(name), keys.spend(name, hour), keys.job_spend(job),
-                                keys.job_spend(job, hour)):
-                        _add(pipe, key, "", values)
-                    pipe.expire(keys.spend(name, hour), HOUR_KEEP_S)  # once written: it exists
-                    pipe.expire(keys.job_spend(job, hour), HOUR_KEEP_S)
-                for batch_id, values in batches.items():
-                    _add(pipe, keys.batch_spend(batch_id), f"{name}:", values)
-                    pipe.expire(keys.batch_spend(batch_id), BATCH_KEEP_S)
-                for hour, (tokens, cost) in held.items():  # the bookings these calls held
-                    pipe.hincrby(keys.spend(name, hour), "held_tokens", -tokens)
-                    pipe.hincrby(keys.spend(name, hour), "held_cost_micro", -cost)
-                pipe.execute()
-        except (redis.RedisError, OSError):
-            with self._lock:
-                _keep(self._tally, tally)
-                _keep(self._batches, batches)
-                _keep(self._held, held)
+        for (hour, job), values in tally.items():
+            pipe.sadd(keys.JOBS, job)
+            for key in (keys.spend(name), keys.spend(name, hour), keys.job_spend(job),
+                        keys.job_spend(job, hour)):
+                _add(pipe, key, "", values)
+            pipe.expire(keys.spend(name, hour), HOUR_KEEP_S)  # once written: it exists
+            pipe.expire(keys.job_spend(job, hour), HOUR_KEEP_S)
+        for batch_id, values in batches.items():
+            _add(pipe, keys.batch_spend(batch_id), f"{name}:", values)
+            pipe.expire(keys.batch_spend(batch_id), BATCH_KEEP_S)
+        for hour, (tokens, cost) in held.items():  # the bookings these calls held
+            pipe.hincrby(keys.spend(name, hour), "held_tokens", -tokens)
+            pipe.hincrby(keys.spend(name, hour), "held_cost_micro", -cost)
+
+        def written(ok: bool) -> None:
+            if not ok:  # added to what the next write takes
+                with self._lock:
+                    _keep(self._tally, tally)
+                    _keep(self._batches, batches)
+                    _keep(self._held, held)
+        return written
 
 
 def _keep(mine: dict[_K, list[int]], unwritten: dict[_K, list[int]]) -> None:

@@ -63,7 +63,7 @@ def score_chunk(self, **kwargs: Any) -> list[dict]:
     if msg.batch is not None and msg.indices is not None:
         todo = _skip_recorded(app, msg.batch, msg.indices, todo, done)
         recorder = records.Recorder(app.store, msg.batch, msg.deadline,
-                                    paid=partial(app.flow.ledger(backend).flush_batch, msg.batch))
+                                    paid=partial(app.flow.ledger(backend).stage_batch, msg.batch))
     attempt = msg.attempt
     why = stop()
     if why:  # a queued chunk of a cancelled or abandoned batch: dropped, nothing called

@@ -127,7 +127,7 @@ def test_an_outcome_is_announced_after_its_calls_spend_is_written(redis_client):
     ledger = Ledger(redis_client, backend_of("judge", name="j", url="http://judge.invalid/v1",
                                            model="m"))
     recorder = records.Recorder(redis_client, "client1.b2", None,
-                                paid=partial(ledger.flush_batch, "client1.b2"))
+                                paid=partial(ledger.stage_batch, "client1.b2"))
     ledger.spent(Usage(120, 8), None, "client1.b2")
     recorder.record_all({0: {"score": 0.5, "status": "ok"}})
     # no flush of the ledger by hand: whichever of the two the flusher takes first, the

@@ -11,6 +11,8 @@ import threading
 import time
 from collections.abc import Callable
 
+import fakeredis
+
 from qreward_queue import background, flushing
 from qreward_queue.background import Daemon, PerProcess
 
@@ -135,8 +137,10 @@ def test_a_forked_child_flushes_on_a_flusher_thread_of_its_own():
     flushed = threading.Event()
 
     class Target:
-        def flush(self) -> None:
-            flushed.set()
+        store = fakeredis.FakeRedis()
+
+        def stage(self, pipe: object) -> flushing.Written:
+            return lambda written: flushed.set()
 
     flushing.flush_at(Target(), time.monotonic())  # the parent's flusher thread runs
     assert flushed.wait(5)

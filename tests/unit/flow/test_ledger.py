@@ -236,7 +236,11 @@ def test_a_batchs_share_is_written_alone_and_never_twice(store, hour):
     ledger.spent(Usage(100, 10), None, "b1")
     ledger.spent(Usage(40, 4), None, "b2")
     # When b1's share is written (what its recorder does before announcing its outcomes)
-    ledger.flush_batch("b1")
+    with store.pipeline(transaction=False) as pipe:
+        written = ledger.stage_batch("b1", pipe)
+        pipe.execute()
+    assert written is not None
+    written(True)
     # Then b1's tally is there, b2's and the backend's totals wait for the next flush
     assert batch_spend(store, "b1")[JUDGE.name]["calls"] == 1
     assert batch_spend(store, "b2") == {}
@@ -246,6 +250,21 @@ def test_a_batchs_share_is_written_alone_and_never_twice(store, hour):
     assert batch_spend(store, "b1")[JUDGE.name]["tokens_in"] == 100
     assert batch_spend(store, "b2")[JUDGE.name]["tokens_in"] == 40
     assert fields(store, keys.spend(JUDGE.name))["calls"] == 2
+
+
+def test_a_batchs_share_that_could_not_be_written_goes_with_the_next_write(store, hour):
+    # Given a batch's share staged for a round trip that never ran (Redis away)
+    ledger = Ledger(store, JUDGE)
+    ledger.spent(Usage(100, 10), None, "b1")
+    with store.pipeline(transaction=False) as pipe:
+        written = ledger.stage_batch("b1", pipe)
+    assert written is not None
+    written(False)
+    # When the ledger next writes
+    ledger.flush()
+    # Then the share is there, once
+    assert batch_spend(store, "b1")[JUDGE.name]["calls"] == 1
+    assert fields(store, keys.spend(JUDGE.name))["calls"] == 1
 
 
 def test_each_jobs_spend_is_its_own(store, hour):
