@@ -151,9 +151,8 @@ _PATTERNS: dict[str, list[re.Pattern[str]]] = {
     ],
 }
 _BASE64_WORD = re.compile(r"[A-Za-z0-9+/]{12,}={0,2}")
-_KIND_OF = {p: kind for kind, patterns in _PATTERNS.items() for p in patterns}
 # the words without which each pattern cannot match: most patterns are not searched at all
-_LOOK = Look(_KIND_OF)
+_LOOK = Look((p, kind) for kind, patterns in _PATTERNS.items() for p in patterns)
 
 
 def fence(texts: Sequence[str]) -> str:
@@ -183,18 +182,28 @@ def normalised(text: str, fold: bool = True) -> str:
 
 def detect(text: str) -> tuple[str, ...]:
     """The classes of injection `text` shows (in `KINDS` order), () for a clean one."""
-    found = {HIDDEN} if _INVISIBLE.search(text) else set()
-    smuggled = "".join(chr(ord(c) - 0xE0000) for c in "".join(_TAG_CHARS.findall(text)))
-    texts = [text, *_decoded_words(text), smuggled]
-    # folded to Latin, and as written (folding would spoil a Cyrillic word); each view once:
-    # for most texts the two are the same, and matching is much of a judge call's CPU
-    views = list(dict.fromkeys([*(normalised(v) for v in texts if v),
-                                *(normalised(v, fold=False) for v in texts if v)]))
+    found = set()
+    texts = [text, *_decoded_words(text)]
+    if not text.isascii():  # no invisible, smuggled or look-alike character is ASCII
+        if _INVISIBLE.search(text):
+            found.add(HIDDEN)
+        texts.append("".join(chr(ord(c) - 0xE0000) for c in "".join(_TAG_CHARS.findall(text))))
+    # each view once: for most texts they are the same, and matching is much of a judge
+    # call's CPU
+    views = dict.fromkeys(view for t in texts if t for view in _views(t))
     for view in views:
-        for pattern in _LOOK.searches(view):
-            if _KIND_OF[pattern] not in found and pattern.search(view):
-                found.add(_KIND_OF[pattern])
+        for pattern, kind in _LOOK.searches(view):
+            if kind not in found and pattern.search(view):
+                found.add(kind)
     return tuple(k for k in KINDS if k in found)
+
+
+def _views(text: str) -> tuple[str, ...]:
+    """`text` as matched: folded to Latin, and as written (folding would spoil a Cyrillic
+    word); an ASCII text is its own NFKC form, with nothing to fold."""
+    if text.isascii():
+        return (text.casefold(),)
+    return normalised(text), normalised(text, fold=False)
 
 
 def _decoded_words(text: str) -> list[str]:

@@ -17,12 +17,13 @@ import re
 from collections.abc import Iterable
 from re import _constants as sre  # type: ignore[attr-defined]
 from re import _parser as sre_parse  # type: ignore[attr-defined]
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 MIN_WORD = 3  # shorter words are in nearly every text: not worth a look
 MAX_SETS = 2  # the most telling sets kept per pattern
 
 Needs = tuple[frozenset[str], ...]
+T = TypeVar("T")
 
 
 def needed_words(pattern: re.Pattern[str]) -> Needs:
@@ -36,24 +37,26 @@ def needed_words(pattern: re.Pattern[str]) -> Needs:
     return tuple(useful[:MAX_SETS])
 
 
-class Look:
-    """Which of `patterns` are worth searching in a text, in their order."""
+class Look(Generic[T]):
+    """Which of `entries` (pattern, tag) are worth searching in a text, in their order. The
+    tag comes back with its pattern: a pattern's own hash reads its whole compiled code."""
 
-    def __init__(self, patterns: Iterable[re.Pattern[str]]) -> None:
-        self.patterns = list(patterns)
-        self._needs = [(p, needed_words(p)) for p in self.patterns]
+    def __init__(self, entries: Iterable[tuple[re.Pattern[str], T]]) -> None:
+        self.entries = list(entries)
+        self._needs = [(entry, needed_words(entry[0])) for entry in self.entries]
         self.words = tuple(sorted({w for _, needs in self._needs for ws in needs for w in ws}))
 
-    def searches(self, text: str) -> list[re.Pattern[str]]:
-        """The patterns `text` holds a word of every needed set of: the others cannot match."""
+    def searches(self, text: str) -> list[tuple[re.Pattern[str], T]]:
+        """The entries whose pattern `text` holds a word of every needed set of: the others
+        cannot match."""
         present = frozenset(filter(text.__contains__, self.words))
         found = []
-        for pattern, needs in self._needs:  # loops, not all(): this runs on every judge call
+        for entry, needs in self._needs:  # loops, not all(): this runs on every judge call
             for words in needs:
                 if present.isdisjoint(words):
                     break
             else:
-                found.append(pattern)
+                found.append(entry)
         return found
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import time
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from celery.signals import (
     after_setup_logger,
     after_setup_task_logger,
     task_received,
+    worker_process_init,
     worker_process_shutdown,
     worker_ready,
     worker_shutdown,
@@ -122,6 +124,15 @@ def _flush_buffered(**_) -> None:
 
 
 @worker_ready.connect
+@worker_process_init.connect
+def _freeze_boot_objects(**_) -> None:
+    """What booting made (Celery, kombu, the config, imported modules) lives as long as the
+    process: moved out of the collector's sight, a full collection no longer walks it (half
+    the collector's time under load)."""
+    gc.freeze()
+
+
+@worker_ready.connect
 def _start_heartbeat(sender, **_) -> None:
     """Keep `qrq:alive:<node>` fresh while this worker lives: clients resubmit tasks that a
     node without a heartbeat had started, instead of waiting for the visibility timeout."""
@@ -167,3 +178,4 @@ class EmbeddedWorker:
     def stop(self) -> None:
         self.controller.stop(in_sighandler=False)
         self.thread.join(10)
+

@@ -44,12 +44,12 @@ def test_no_random_pattern_matches_a_text_its_words_rule_out() -> None:
 
     for _ in range(1500):
         pattern = re.compile("".join(piece(0) for _ in range(rng.randint(1, 4))))
-        look = Look([pattern])
+        look = Look([(pattern, None)])
         for _ in range(40):
             text = "".join(rng.choice("abc ") for _ in range(rng.randint(0, 24)))
             # Then whatever matches holds a word of every set
             if pattern.search(text):
-                assert look.searches(text) == [pattern], (pattern.pattern, look.words, text)
+                assert look.searches(text) == [(pattern, None)], (pattern.pattern, look.words, text)
 
 
 def test_the_injection_classes_are_found_as_without_the_look(monkeypatch) -> None:
@@ -64,7 +64,7 @@ def test_the_injection_classes_are_found_as_without_the_look(monkeypatch) -> Non
               for _ in range(3000)]
     looked = [injection.detect(t) for t in texts]
     # When the same texts are searched with every pattern, skipping none
-    monkeypatch.setattr(Look, "searches", lambda look, text: look.patterns)
+    monkeypatch.setattr(Look, "searches", lambda look, text: look.entries)
     searched = [injection.detect(t) for t in texts]
     # Then every text shows the same classes, and many show some
     assert looked == searched
