@@ -179,7 +179,7 @@ def start(cmd: list[str], log: Path, env: dict, ready_url: str, timeout_s: float
 
 
 def gateway(stack: contextlib.ExitStack, config: Path, directory: Path,
-            wait_ms: float = 2.0, max_in_flight: int = 4) -> tuple[str, int]:
+            wait_ms: float = 0.0, max_in_flight: int = 4) -> tuple[str, int]:
     """A gateway's URL and pid."""
     port = free_port()
     proc = start([sys.executable, "-m", "qreward_queue.cli", "gateway", "--port", str(port),
@@ -191,7 +191,7 @@ def gateway(stack: contextlib.ExitStack, config: Path, directory: Path,
 
 
 def qrq_stack(stack: contextlib.ExitStack, directory: Path, judge_url: str, rpm: float,
-              gateways: int, wait_ms: float = 2.0, max_in_flight: int = 4
+              gateways: int, wait_ms: float = 0.0, max_in_flight: int = 4
               ) -> tuple[Path, list[str], dict[str, int]]:
     """A worker and `gateways` gateways; their URLs, and the pids of the worker and the
     first gateway."""
@@ -342,7 +342,7 @@ def main() -> None:
     parser.add_argument("--load", help=argparse.SUPPRESS)  # a client process's target URL
     parser.add_argument("--offset", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--start-at", type=float, default=0.0, help=argparse.SUPPRESS)
-    parser.add_argument("--wait-ms", type=float, default=2.0,
+    parser.add_argument("--wait-ms", type=float, default=0.0,
                         help="the micro-batchers' longest wait (gateway: --chat-max-wait-ms)")
     parser.add_argument("--max-in-flight", type=int, default=4,
                         help="the micro-batchers' batches out at once (gateway: "

@@ -454,8 +454,9 @@ def dead_letters(config_path: str | None, limit: int) -> None:
 @click.option("--max-items", default=64, show_default=True, help="Samples per micro-batch.")
 @click.option("--max-wait-ms", default=20.0, show_default=True,
               help="Longest wait to fill one (the RM endpoints).")
-@click.option("--chat-max-wait-ms", default=2.0, show_default=True,
-              help="Longest wait to fill one (chat requests: each adds this much at most).")
+@click.option("--chat-max-wait-ms", default=0.0, show_default=True,
+              help="Longest wait to fill one (chat requests; 0: each goes at once unless "
+                   "--max-in-flight micro-batches are out).")
 @click.option("--max-in-flight", default=4, show_default=True,
               help="Micro-batches out at once per batcher; past that, requests wait (up to "
                    "50 ms) for one to end and go together (0: no limit).")
