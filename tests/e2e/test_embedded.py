@@ -7,6 +7,7 @@ app (the fixture), so no state leaks from one test to the next.
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime
@@ -411,3 +412,13 @@ def test_embedded_mode_runs_the_same_lua_limiter_on_fakeredis(setup, make_judge)
     assert stats["rate_limited"] <= 1 and stats["peak_in_flight"] <= 4
     assert [o.status for o in outcomes] == ["ok"] * 40
     assert [o.score for o in outcomes] == expected(config, "a", samples_(40))
+
+
+def test_an_embedded_worker_leaves_the_trainers_garbage_collector_alone(setup, judge):
+    # Given a trainer process with nothing frozen out of its collector's sight
+    gc.unfreeze()
+    judge_setup(setup, judge)
+    # When its embedded worker starts and scores a batch
+    assert len(qreward_queue.submit_batch(samples_(4)).get(timeout=30)) == 4
+    # Then the trainer's objects are still collected (a worker process freezes its own)
+    assert gc.get_freeze_count() == 0
