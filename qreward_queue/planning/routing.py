@@ -59,20 +59,21 @@ def chunk_size(backend: Backend, n: int) -> int:
     """Samples per task for `n` samples on `backend`: its `chunk_size` when set, else sized so
     that a chunk is about one round of the worker's calls in flight (`pool.calls`) and at most
     CHUNK_SECONDS of the backend's rate: a task is then short, so a `val` batch never waits
-    long for a worker slot, and the batch still splits over every pool. From 16 samples on,
-    never fewer than fill the worker's calls with the `pool.concurrency` chunks it runs at once.
+    long for a worker slot, and the batch still splits over every pool; never fewer than fill
+    the worker's calls with the `pool.concurrency` chunks it runs at once (a micro-batch of a
+    few samples is one task: its calls run at once in it, and each task more would cost the
+    worker more than a call).
 
     >>> from qreward_queue.backends import JudgeOptions
     >>> judge = Backend("j", "judge", options=JudgeOptions(url="http://judge/v1", model="m"))
-    >>> chunk_size(judge, 4096), chunk_size(judge, 40)
-    (64, 16)
+    >>> chunk_size(judge, 4096), chunk_size(judge, 40), chunk_size(judge, 5)
+    (64, 16, 16)
     """
     if backend.chunk_size:
         return backend.chunk_size
-    # from CHUNKS_PER_BATCH samples on, at least enough to fill the worker's calls with the
-    # chunk tasks it runs at once, so a micro-batch still keeps the backend busy
+    # at least enough to fill the worker's calls with the chunk tasks it runs at once: a
+    # chunk's calls run concurrently, and a task costs more of a worker than a call
     fill = math.ceil(backend.pool.calls / max(1, backend.pool.concurrency))
-    fill = fill if n >= CHUNKS_PER_BATCH else 1
     size = min(MAX_CHUNK, backend.pool.calls, max(fill, math.ceil(n / CHUNKS_PER_BATCH)))
     if backend.limits.rpm:
         size = min(size, math.ceil(backend.limits.rpm / 60 * CHUNK_SECONDS))

@@ -125,7 +125,8 @@ def test_vanished_worker_holding_retries_is_resubmitted(tmp_path, redis_url, sta
     deadline_s = 25
     batch = qreward_queue.submit_batch(samples, route="j", app=app, deadline_s=deadline_s)
     try:  # a broken precondition must not pass for the expected failure
-        wait_for(lambda: tasks_received(doomed) >= 16, timeout_s=5, what="retries reserved")
+        # (the 8 samples are one chunk: its task, then its retry)
+        wait_for(lambda: tasks_received(doomed) >= 2, timeout_s=5, what="retries reserved")
     except AssertionError as exc:
         raise RuntimeError(exc) from None
     # When that worker dies while holding the retries, and the judge and a new worker come up
