@@ -334,8 +334,17 @@ class Limiter:
             self._flush_scheduled = True
             loop = asyncio.get_running_loop()
             loop.call_later(self.loop_finish_delay_s,
-                            lambda: loop.create_task(self.flush_async()))
+                            lambda: loop.create_task(self._flush_later()))
         return reading
+
+    async def _flush_later(self) -> None:
+        """The finishes held back, sent soon after. A process that is exiting refuses its
+        executors new work (an embedded store's flush runs on one): its leases then lapse."""
+        try:
+            await self.flush_async()
+        except RuntimeError as exc:
+            if "after shutdown" not in str(exc):
+                raise
 
     def pause(self, seconds: float) -> None:
         """Stop every worker of this backend for ``seconds`` (at most ``max_pause_s``)."""

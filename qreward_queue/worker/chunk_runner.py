@@ -320,6 +320,7 @@ class _Running:
         self._ended: list[asyncio.Future[None]] = []  # calls done, not looked at yet
         self._news = asyncio.Event()
         self._latencies: list[float] = []
+        self._backing_off: set[asyncio.Future[None]] = set()  # calls waiting to try again
         self._unbounded = False
         self.left: list[list[int]] = []
         self.handoff_s = 0.0
@@ -337,8 +338,12 @@ class _Running:
         """The calling call is made again after `wait_s`, its clock restarted (a straggler is
         judged, and its handoff timed, by its latest try); False when the run handed it off
         meanwhile (the task's return to its samples makes it again)."""
-        await asyncio.sleep(wait_s)
         task = asyncio.current_task()
+        self._backing_off.add(task)  # type: ignore[arg-type]
+        try:
+            await asyncio.sleep(wait_s)
+        finally:
+            self._backing_off.discard(task)  # type: ignore[arg-type]
         if self.left or task not in self._calls:
             return False
         positions, _ = self._calls[task]
@@ -371,8 +376,9 @@ class _Running:
                 return
 
     def _stragglers(self, calls: int, now: float) -> bool:
-        """Whether the calls still running are few and far slower than the rest."""
-        if self._unbounded or not self._latencies:
+        """Whether the calls still running are few and far slower than the rest, each waiting
+        for a reply (a call backing off is not stuck: its tries and waits are bounded)."""
+        if self._unbounded or not self._latencies or self._backing_off:
             return False
         if len(self._calls) > max(1, int(STRAGGLER_SHARE * calls)):
             return False

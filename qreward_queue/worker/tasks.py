@@ -118,19 +118,19 @@ def score_chunk(self, **kwargs: Any) -> list[dict]:
     )
     if handoff_s:
         # stragglers' calls go on after this run: the task comes back once they have surely
-        # ended (their outcomes recorded) and settles them with whatever else is left
+        # ended (their outcomes recorded) and settles them with whatever else is left (a
+        # sample whose attempts are spent is settled now: the come-back would call it again)
+        _give_up_spent(left, done, config.retry.attempts, backend)
         metrics.record_retry(backend, "straggler")
         requeued(config.queue, len(left))
-        raise _retry(self, kwargs=msg.retried(done=done, attempt=attempt + 1),
+        # (a straggler handed off during a backoff gets its last attempt there, not one more)
+        come_back = min(attempt + 1, config.retry.attempts)
+        raise _retry(self, kwargs=msg.retried(done=done, attempt=come_back),
                      countdown=max(handoff_s, nxt.countdown), **summary(backend, samples))
     if nxt.action == "done":
         return _settled(done)
     if nxt.action in ("wait", "retry"):  # no sample is tried here more than attempts allow
-        for pos, outcome in list(left.items()):
-            if outcome is not None and outcome.attempts >= config.retry.attempts:
-                del left[pos]
-                done[pos] = _noted(outcome, f" (gave up after {outcome.attempts} attempt(s) "
-                                            f"on {backend!r}: its [retry] attempts are spent)")
+        _give_up_spent(left, done, config.retry.attempts, backend)
         if not left:
             return _settled(done)
     if nxt.action in ("wait", "retry"):
@@ -166,6 +166,17 @@ def _retry(task: Any, **options: Any) -> Retry:
         return task.retry(**options)
     except Reject as refused:
         raise Reject(refused.reason, requeue=True) from None
+
+
+def _give_up_spent(left: dict[int, Outcome | None], done: list[dict | None], attempts: int,
+                   backend: str) -> None:
+    """Settle the samples of `left` whose `[retry] attempts` are spent: the task's next run
+    on this backend must not call them again."""
+    for pos, outcome in list(left.items()):
+        if outcome is not None and outcome.attempts >= attempts:
+            del left[pos]
+            done[pos] = _noted(outcome, f" (gave up after {outcome.attempts} attempt(s) "
+                                        f"on {backend!r}: its [retry] attempts are spent)")
 
 
 def _noted(outcome: Outcome, note: str) -> dict:

@@ -101,3 +101,30 @@ def test_no_second_call_when_the_backend_file_says_hedge_false(tmp_path, redis_u
     # Then the hung call is waited for and made once
     assert [o.status for o in outcomes] == ["ok"] * 4, outcomes
     assert judge.stats()["requests"] == 16 + 4
+
+
+def test_a_call_backing_off_after_faults_is_no_straggler_and_spends_its_attempts_once(
+        tmp_path, redis_url, stack):
+    # Given a fast judge that answers one sample's calls with a 500 every time, and a backend
+    # of 4 attempts whose backoffs (0.5, 1 and 2 s, no jitter) are waited out in the run
+    judge = stack.enter_context(spawn(MockJudgeSettings(latency_ms=20)))
+    backend = judge_backend(judge.url, concurrency=1, calls=32)
+    backend["retry"].update(attempts=4, backoff_base_s=0.5, backoff_cap_s=2.0, jitter=False)
+    config_path = write_config(tmp_path, {"j": backend}, redis_url=redis_url)
+    app = qreward_queue.configure(qreward_queue.load_config(config_path))
+    (worker,) = start_workers(config_path, [("j", "backoff@test")])
+    stack.callback(worker.kill)
+    samples = [{"prompt": f"faulty question {i}",
+                "response": f"answer {i}" + (" [[mock:500]]" if i == 3 else "")}
+               for i in range(32)]
+    # When they are one chunk (its other calls end at once, far faster than the faulty one's
+    # tries, which a straggler check would take for a stuck call)
+    outcomes = qreward_queue.submit_batch(samples, route="j", app=app, deadline_s=60).outcomes()
+    # Then the faulty sample is given up after exactly its 4 attempts, in the chunk's run
+    # (not handed off and called again by the task's come-back), and the rest is scored
+    faulty = outcomes[3]
+    assert faulty.status == "error" and faulty.attempts == 4, faulty
+    assert "gave up after 4 attempt(s)" in faulty.error, faulty.error
+    assert [o.status for i, o in enumerate(outcomes) if i != 3] == ["ok"] * 31
+    assert judge.stats()["requests"] == 31 + 4
+    assert worker.log.read_text().count("retry: Retry in") == 0
