@@ -339,11 +339,12 @@ class _Running:
         judged, and its handoff timed, by its latest try); False when the run handed it off
         meanwhile (the task's return to its samples makes it again)."""
         task = asyncio.current_task()
-        self._backing_off.add(task)  # type: ignore[arg-type]
+        assert task is not None  # a call's own task
+        self._backing_off.add(task)
         try:
             await asyncio.sleep(wait_s)
         finally:
-            self._backing_off.discard(task)  # type: ignore[arg-type]
+            self._backing_off.discard(task)
         if self.left or task not in self._calls:
             return False
         positions, _ = self._calls[task]
