@@ -30,6 +30,7 @@ from typing import Any
 
 from aiohttp import web
 
+from ..event_loops import new_event_loop
 from ..ops.job_spend import FLUSH_EVERY_S, JobLedger
 from ..priority import Priority
 from ..samples import Outcome
@@ -189,4 +190,5 @@ def _strings(body: dict, key: str) -> list[str]:
 
 def serve(host: str, port: int, gateway: Gateway) -> None:
     """Run the gateway until interrupted."""
-    web.run_app(gateway.app(), host=host, port=port, print=None, access_log=None)
+    web.run_app(gateway.app(), host=host, port=port, print=None, access_log=None,
+                loop=new_event_loop())
