@@ -30,7 +30,7 @@ from typing import Any
 
 from aiohttp import web
 
-from ..event_loops import new_event_loop
+from ..background import new_event_loop
 from ..ops.job_spend import FLUSH_EVERY_S, JobLedger
 from ..priority import Priority
 from ..samples import Outcome

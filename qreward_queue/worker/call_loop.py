@@ -19,7 +19,6 @@ from typing import Any, TypeVar
 from .. import background
 from ..backends import make_backend
 from ..config.model import MAX_PROCESS_CALLS, Backend
-from ..event_loops import new_event_loop
 from .call_pool import CallSizing
 
 _T = TypeVar("_T")
@@ -95,7 +94,7 @@ class CallLoop:
     threads do."""
 
     def __init__(self) -> None:
-        self.loop = new_event_loop()
+        self.loop = background.new_event_loop()
         # the threads of calls that must wait (a 429's Retry-After) or be split: made as needed
         self.loop.set_default_executor(
             concurrent.futures.ThreadPoolExecutor(MAX_PROCESS_CALLS, "qrq-call-wait"))

@@ -6,7 +6,8 @@ import asyncio
 
 import uvloop
 
-from qreward_queue.event_loops import ENV, new_event_loop
+from qreward_queue.background import EVENT_LOOP_ENV as ENV
+from qreward_queue.background import new_event_loop
 
 
 def _kind(monkeypatch, value: str | None) -> type:
