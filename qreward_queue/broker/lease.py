@@ -16,6 +16,8 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import redis
@@ -128,17 +130,40 @@ class BatchWatch:
         """Why calls for `batch_id` must stop (None: go on, also when Redis cannot say)."""
         if batch_id is None:
             return None
+        look, reason = self._due(batch_id)
+        if look is None:
+            return reason
+        try:
+            reply = self.store.mget(keys.lease(batch_id), keys.batch_sentinel(batch_id))
+        except _REDIS_DOWN:
+            reply = None
+        return look(reply)
+
+    def stage(self, pipe: Any, batch_id: str) -> Callable[[list | None], str | None] | None:
+        """Queue a look at `batch_id`'s lease on `pipe` (one command), unless the last look
+        is recent enough (None); what is returned takes the command's reply (None: Redis could
+        not say) and gives the stop reason."""
+        look, _ = self._due(batch_id)
+        if look is not None:
+            pipe.mget(keys.lease(batch_id), keys.batch_sentinel(batch_id))
+        return look
+
+    def _due(self, batch_id: str) -> tuple[Callable[[list | None], str | None] | None, str | None]:
+        """(how to judge a new look, None when the last is recent enough; the last answer)."""
         now = time.monotonic()
         with self._lock:
             checked, reason, lapsed_since = self._seen.get(batch_id, (0.0, None, None))
-        if now - checked < CHECK_EVERY_S:
+            if now - checked < CHECK_EVERY_S:
+                return None, reason
+            self._seen[batch_id] = (now, reason, lapsed_since)  # the other calls keep it
+        return partial(self._judge, batch_id, now, reason, lapsed_since), reason
+
+    def _judge(self, batch_id: str, now: float, reason: str | None, lapsed_since: float | None,
+               reply: list | None) -> str | None:
+        """The stop reason a look's `reply` (lease, sentinel) gives, remembered."""
+        if reply is None:  # Redis away: the last answer stands
             return reason
-        with self._lock:  # the other call threads keep the last answer meanwhile
-            self._seen[batch_id] = (now, reason, lapsed_since)
-        try:
-            lease, sentinel = self.store.mget(keys.lease(batch_id), keys.batch_sentinel(batch_id))
-        except _REDIS_DOWN:
-            return reason
+        lease, sentinel = reply
         if lease in (CANCELLED, DONE):
             reason, lapsed_since = (
                 "the batch was cancelled by its caller" if lease == CANCELLED

@@ -37,7 +37,17 @@ def read(store: redis.Redis, batch_id: str, indices: Sequence[int]) -> dict[int,
     """The recorded outcomes among `indices` (input index -> outcome dict)."""
     if not indices:
         return {}
-    values = store.hmget(keys.records(batch_id), [str(i) for i in indices])
+    return parsed(indices, store.hmget(keys.records(batch_id), [str(i) for i in indices]))
+
+
+def stage_read(pipe: Any, batch_id: str, indices: Sequence[int]) -> None:
+    """`read` as one command queued on `pipe` (`parsed` reads its reply); `indices` not
+    empty."""
+    pipe.hmget(keys.records(batch_id), [str(i) for i in indices])
+
+
+def parsed(indices: Sequence[int], values: Sequence[Any]) -> dict[int, dict]:
+    """What `read` returns, from the HMGET's reply."""
     return {i: json.loads(v) for i, v in zip(indices, values, strict=True) if v is not None}
 
 

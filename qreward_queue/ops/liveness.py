@@ -13,11 +13,12 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import redis
 
-from .. import keys
+from .. import flushing, keys
 from ..background import Daemon
 
 log = logging.getLogger("qreward_queue")
@@ -104,17 +105,25 @@ class HeldKeeper:
     its node), so that after Redis lost its data a client can tell a task still running,
     which it must not send again (that would buy its calls twice), from one that was lost.
 
-    A task that ended for good (not one that retries itself: its message waits in this worker
-    for its countdown) is forgotten at once, or, Redis away, as soon as Redis answers again:
-    a task that gave up on Redis is then seen lost by its client and sent again, rather than
-    waiting out the broker's visibility timeout."""
+    A task's key is set when the worker receives it and deleted when it ended for good (not
+    one that retries itself: its message waits in this worker for its countdown); both are
+    written by the process's flusher with the other writes then due, in the order they came,
+    so neither the consumer nor a task waits on a round trip for them. A delete that Redis
+    refused is tried again every `every_s` until Redis answers: a task that gave up on Redis
+    is then seen lost by its client and sent again, rather than waiting out the broker's
+    visibility timeout."""
 
     def __init__(self, every_s: float) -> None:
         self.every_s = every_s
         self._lock = threading.Lock()
         self._running: dict[str, tuple[redis.Redis, str, int]] = {}
         self._ended: dict[str, redis.Redis] = {}  # tasks whose key is still to be deleted
+        self._writes: dict[int, _HeldWrites] = {}  # per store
         self._thread = Daemon("qrq-held", self._run)
+
+    def received(self, store: redis.Redis, task_id: str, node: str, ttl_s: int) -> None:
+        """`task_id` is held by `node` from now (it may wait for a slot or a countdown)."""
+        self._writes_to(store).put(task_id, (node, ttl_s))
 
     @contextlib.contextmanager
     def holding(self, store: redis.Redis, task_id: str, node: str, ttl_s: int,
@@ -134,15 +143,27 @@ class HeldKeeper:
             with self._lock:
                 self._running.pop(task_id, None)
             if ended:
-                self._forget({task_id: store})
+                self._writes_to(store).put(task_id, None)
+
+    def _writes_to(self, store: redis.Redis) -> _HeldWrites:
+        with self._lock:
+            writes = self._writes.get(id(store))
+            if writes is None:
+                writes = self._writes[id(store)] = _HeldWrites(store, self._refused)
+            return writes
+
+    def _refused(self, ended: dict[str, redis.Redis]) -> None:
+        """Deletes Redis refused: the keeper's next round tries them again."""
+        with self._lock:
+            self._ended.update(ended)
+            self._thread.ensure()
 
     def _forget(self, ended: dict[str, redis.Redis]) -> None:
         try:
             for task_id, store in ended.items():
                 store.delete(keys.held(task_id))
         except (redis.RedisError, OSError):  # Redis away: the keeper's next round does it
-            with self._lock:
-                self._ended.update(ended)
+            self._refused(ended)
 
     def _run(self) -> None:
         while True:
@@ -160,3 +181,35 @@ class HeldKeeper:
                 for task_id, (_, node, ttl_s) in running:
                     pipe.set(keys.held(task_id), node, ex=ttl_s)
                 pipe.execute()
+
+
+class _HeldWrites:
+    """Held keys of one store to set (task id -> node and TTL) or delete (-> None), in the
+    order they came, for the flusher (a `flushing.Flushable`)."""
+
+    def __init__(self, store: redis.Redis, refused: Callable[[dict[str, redis.Redis]], None]):
+        self.store, self._refused = store, refused
+        self._lock = threading.Lock()
+        self._pending: dict[str, tuple[str, int] | None] = {}
+
+    def put(self, task_id: str, held: tuple[str, int] | None) -> None:
+        with self._lock:
+            self._pending[task_id] = held  # a delete after a set not yet written: only it
+        flushing.flush_at(self, time.monotonic())
+
+    def stage(self, pipe: Any) -> flushing.Written | None:
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        if not pending:
+            return None
+        for task_id, held in pending.items():
+            if held is None:
+                pipe.delete(keys.held(task_id))
+            else:
+                pipe.set(keys.held(task_id), held[0], ex=held[1])
+
+        def written(ok: bool) -> None:
+            deletes = {t: self.store for t, held in pending.items() if held is None}
+            if not ok and deletes:  # a lost set is said again while its task runs
+                self._refused(deletes)
+        return written

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from .. import keys
 from ..config.model import Config, Route
@@ -51,19 +52,25 @@ class QueuedSamples:
         and `level` (a worker's: the task's job and priority level), the job's own count on
         that level, which its fair share is held to (trainer/shares.py), changes too, and
         samples taken off wake the processes' gates."""
+        with self.store.pipeline(transaction=False) as pipe:
+            if self.stage(pipe, samples, job, level):
+                pipe.execute()
+
+    def stage(self, pipe: Any, samples: Mapping[str, int], job: str | None = None,
+              level: int | None = None) -> bool:
+        """`add` queued on `pipe` (to go with other commands); False: nothing to count."""
         changes = {queue: n for queue, n in samples.items() if n}
         if not (self.counting and changes):
-            return
-        with self.store.pipeline(transaction=False) as pipe:
-            for queue, n in changes.items():
-                pipe.incrby(keys.queued_samples(queue), n)
-                pipe.expire(keys.queued_samples(queue), QUEUED_TTL_S)
-                if job is not None and level is not None:
-                    share = keys.share_keys(queue, level)
-                    pipe.hincrby(share["queued"], job, n)
-                    if n < 0:  # room on the level: the gates waiting for it look again
-                        pipe.publish(share["drained"], job)
-            pipe.execute()
+            return False
+        for queue, n in changes.items():
+            pipe.incrby(keys.queued_samples(queue), n)
+            pipe.expire(keys.queued_samples(queue), QUEUED_TTL_S)
+            if job is not None and level is not None:
+                share = keys.share_keys(queue, level)
+                pipe.hincrby(share["queued"], job, n)
+                if n < 0:  # room on the level: the gates waiting for it look again
+                    pipe.publish(share["drained"], job)
+        return True
 
     def published(self, chunks: Iterable[Chunk], config: Config) -> None:
         """`chunks` went onto their backends' queues."""

@@ -1,6 +1,6 @@
 """A worker's start: `qrq worker`'s process (`worker_app`) and the trainer's in-process
 worker of embedded mode (`EmbeddedWorker`), with what every worker does while it lives: its
-heartbeat, and the mark of which node holds each task."""
+heartbeat."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import redis
 from celery.signals import (
     after_setup_logger,
     after_setup_task_logger,
-    task_received,
     worker_process_init,
     worker_process_shutdown,
     worker_ready,
@@ -104,16 +103,6 @@ def busy_tasks_warning(backend: Backend, override: int | None) -> str | None:
     return (f"{backend.source}: [pool] concurrency = {tasks} is the number of chunk tasks a "
             f"worker process runs at once (more than {BUSY_TASKS} only makes chunks smaller), "
             f"not threads: calls in flight are [pool] calls, sized from [limits] when unset")
-
-
-@task_received.connect
-def _mark_holder(sender, request, **_) -> None:
-    """Record which worker holds each task (running, or waiting out a retry countdown), so a
-    client can resubmit the tasks of a worker whose heartbeat lapsed."""
-    app = sender.app
-    if isinstance(app, QrqCelery) and not app.qrq_config.embedded:
-        with contextlib.suppress(redis.RedisError):
-            app.store.set(keys.held(request.id), sender.hostname, ex=keys.HELD_TTL_S)
 
 
 @worker_shutdown.connect

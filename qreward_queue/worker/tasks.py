@@ -20,11 +20,13 @@ from typing import Any
 
 import redis
 from celery.exceptions import Reject, Retry
+from celery.signals import task_received
 
 from .. import keys
 from ..backends import make_backend
 from ..background import PerProcess
 from ..broker import records
+from ..broker.app import QrqCelery
 from ..errors import Cancelled, DeadlineExceeded, TransientError
 from ..message import TASK_NAME, ChunkMessage, summary
 from ..ops import liveness, metrics
@@ -57,15 +59,13 @@ def score_chunk(self, **kwargs: Any) -> list[dict]:
     done: list[dict | None] = list(msg.done) if msg.done else [None] * len(samples)
     todo = [i for i, o in enumerate(done) if o is None]
     requeued = partial(_requeued, app, job=msg.job, level=_level(self.request))
-    requeued(config.queue, -len(todo))
     stop = partial(app.batch_watch.stop_reason, msg.batch)
+    todo, why = _begin(app, msg, config.queue, todo, done, _level(self.request))
     recorder = None
     if msg.batch is not None and msg.indices is not None:
-        todo = _skip_recorded(app, msg.batch, msg.indices, todo, done)
         recorder = records.Recorder(app.store, msg.batch, msg.deadline,
                                     paid=partial(app.flow.ledger(backend).stage_batch, msg.batch))
     attempt = msg.attempt
-    why = stop()
     if why:  # a queued chunk of a cancelled or abandoned batch: dropped, nothing called
         return _cancelled(done, todo, why, backend, attempt)
     siblings = [b for b in msg.route if b != backend and b not in msg.tried]
@@ -202,17 +202,32 @@ def _with_level(config, request, samples: list[dict]) -> list[dict]:
     return stamped(samples, _level(request))
 
 
-def _skip_recorded(app, batch: str, indices: list[int], todo: list[int],
-                   done: list[dict | None]) -> list[int]:
-    """Fill `done` from the batch's records (samples an earlier run finished); what is left."""
-    try:
-        recorded = records.read(app.store, batch, [indices[pos] for pos in todo])
-    except (redis.RedisError, OSError):  # Redis away: calling again beats failing the task
-        return todo
-    for pos in todo:
-        if indices[pos] in recorded:
-            done[pos] = recorded[indices[pos]]
-    return [pos for pos in todo if done[pos] is None]
+def _begin(app, msg: ChunkMessage, queue: str, todo: list[int], done: list[dict | None],
+           level: int | None) -> tuple[list[int], str | None]:
+    """The task's first round trip: its samples taken off the queue's count, `done` filled
+    from the batch's records (samples an earlier run finished), the batch's lease looked at.
+    What is left to call, and why nothing may be called (None: go on). Redis away (a failover
+    under way): everything left is called, the counts are off until they fade."""
+    batch = msg.batch
+    wanted = [msg.indices[pos] for pos in todo] if msg.indices is not None else []
+    with app.store.pipeline(transaction=False) as pipe:
+        capacity.QueuedSamples.of(app).stage(pipe, {queue: -len(todo)}, msg.job, level)
+        at_records = len(pipe)
+        if batch is not None and wanted:
+            records.stage_read(pipe, batch, wanted)
+        look = app.batch_watch.stage(pipe, batch) if batch is not None else None
+        try:
+            replies = pipe.execute() if len(pipe) else []
+        except (redis.RedisError, OSError):
+            replies = None
+    if batch is not None and wanted and replies is not None:
+        found = records.parsed(wanted, replies[at_records])
+        for pos, index in zip(todo, wanted, strict=True):
+            done[pos] = found.get(index)
+        todo = [pos for pos in todo if done[pos] is None]
+    if look is None:  # looked at lately: the last answer
+        return todo, app.batch_watch.stop_reason(batch)
+    return todo, look(None if replies is None else replies[-1])
 
 
 def _cancelled(done: list[dict | None], positions: list[int], why: str, backend: str,
@@ -238,6 +253,15 @@ def _level(request) -> int | None:
 
 # a forked child holds its own tasks, said again by its own thread
 _keeper = PerProcess(partial(liveness.HeldKeeper, keys.HEARTBEAT_S))
+
+
+@task_received.connect
+def _mark_holder(sender, request, **_) -> None:
+    """Record which worker holds each task (running, or waiting out a retry countdown), so a
+    client can resubmit the tasks of a worker whose heartbeat lapsed."""
+    app = sender.app
+    if isinstance(app, QrqCelery) and not app.qrq_config.embedded:
+        _keeper.get().received(app.store, request.id, sender.hostname, keys.HELD_TTL_S)
 
 
 def _held_while_running(task: Callable) -> Callable:
