@@ -112,10 +112,20 @@ def release(batch_id: str) -> None:
     _renewer.get().drop(batch_id)
 
 
-def end(store: redis.Redis, batch_id: str, state: bytes, keep_s: float) -> None:
-    """Stop renewing and tell workers why (`cancelled` or `done`), for `keep_s`."""
+def end(store: redis.Redis, batch_id: str, state: bytes, keep_s: float,
+        send: Callable[[Callable[[Any], Any]], None] | None = None) -> None:
+    """Stop renewing and tell workers why (`cancelled` or `done`), for `keep_s`: at once, or
+    through `send`, which runs the write (given a pipeline of `store`) when it can."""
     _renewer.get().drop(batch_id)
-    store.set(keys.lease(batch_id), state, px=int(max(keep_s, 1.0) * 1000))
+    write = partial(_say, keys.lease(batch_id), state, int(max(keep_s, 1.0) * 1000))
+    if send is None:
+        write(store)
+    else:
+        send(write)
+
+
+def _say(key: str, state: bytes, keep_ms: int, redis_or_pipe: Any) -> None:
+    redis_or_pipe.set(key, state, px=keep_ms)
 
 
 class BatchWatch:

@@ -60,26 +60,31 @@ class Finished(NamedTuple):
 
 
 def read_inbox(store: redis.Redis, inbox: str, after: bytes, block_ms: int,
-               in_process: bool = False) -> tuple[bytes, list[Finished]]:
+               in_process: bool = False, writes: Sequence[Callable[[Any], Any]] = ()
+               ) -> tuple[bytes, list[Finished]]:
     """The entries of `inbox` after id `after`, waiting up to `block_ms` for the first (0: not
     at all); and the id to read after next. What was read before is trimmed in the same round
-    trip (only this process reads its inbox). Redis is waited on in Redis (XREAD BLOCK); an
+    trip (only this process reads its inbox), after `writes` (each queues commands on the
+    pipeline: writes nobody waits for). Redis is waited on in Redis (XREAD BLOCK); an
     `in_process` store (embedded mode's, whose workers are threads of this process) on this
     process's announcements, since its blocking read would wake at every write it gets."""
     news = _news.get()
     seen = news.count
-    after, finished = _read(store, inbox, after, None if in_process else block_ms or None)
+    after, finished = _read(store, inbox, after, None if in_process else block_ms or None,
+                            writes)
     if finished or not in_process or not block_ms or not news.wait_past(seen, block_ms):
         return after, finished
     return _read(store, inbox, after, None)
 
 
-def _read(store: redis.Redis, inbox: str, after: bytes, block_ms: int | None
-          ) -> tuple[bytes, list[Finished]]:
+def _read(store: redis.Redis, inbox: str, after: bytes, block_ms: int | None,
+          writes: Sequence[Callable[[Any], Any]] = ()) -> tuple[bytes, list[Finished]]:
     with store.pipeline(transaction=False) as pipe:
+        for write in writes:
+            write(pipe)
         pipe.xtrim(inbox, minid=after, approximate=False)
         pipe.xread({inbox: after}, count=None, block=block_ms)
-        _, reply = pipe.execute()
+        reply = pipe.execute()[-1]
     finished: list[Finished] = []
     for _, entries in reply or ():
         for entry_id, fields in entries:

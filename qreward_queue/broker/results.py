@@ -65,9 +65,10 @@ class QrqRedisBackend(_NoRetryState, RedisBackend):
     def _store_script(self) -> Any:
         return self.client.register_script(_STORE)
 
-    def forget_many(self, task_ids: list[str]) -> None:
-        """Drop results the client has read (one DEL; `result_expires` stays the safety net)."""
-        self.client.delete(*(self.get_key_for_task(t) for t in task_ids))
+    def stage_forget(self, task_ids: list[str], pipe: Any) -> None:
+        """Drop results the client has read, with the commands on `pipe` (the store's: one
+        Redis URL serves both; `result_expires` stays the safety net)."""
+        pipe.delete(*(self.get_key_for_task(t) for t in task_ids))
 
 
 class QrqSentinelBackend(QrqRedisBackend, SentinelBackend):
@@ -79,6 +80,7 @@ class QrqSentinelBackend(QrqRedisBackend, SentinelBackend):
 
 
 class QrqCacheBackend(_NoRetryState, CacheBackend):
-    def forget_many(self, task_ids: list[str]) -> None:
+    def stage_forget(self, task_ids: list[str], pipe: Any) -> None:
+        """Drop results the client has read (in this process: now, `pipe` unused)."""
         for task_id in task_ids:
             self.delete(self.get_key_for_task(task_id))

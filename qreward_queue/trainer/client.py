@@ -391,9 +391,8 @@ class RewardBatch:
         if cache and fresh:  # best effort: a Redis hiccup costs a cache entry, not a score
             with contextlib.suppress(redis.RedisError, OSError):
                 self._within(lambda: cache.put_many(fresh))
-        if not self._pending:
-            with contextlib.suppress(redis.RedisError, OSError):  # workers may drop leftovers
-                self._within(lambda: self._publisher.end(lease.DONE))
+        if not self._pending:  # workers drop leftovers (a hedge, a duplicate) once they see it
+            self._publisher.end(lease.DONE, self._reader.with_next_read)
             self._finish()
 
     def _expire(self) -> None:

@@ -13,7 +13,6 @@ IDLE_S, so the last chunks' end announcements still drop their stored results.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -27,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from .. import background, keys
-from ..broker import records, redis_wait
+from ..broker import records
 from ..broker.app import REDIS_READ_TIMEOUT_S, QrqCelery
 from .per_app import PerApp
 
@@ -53,6 +52,7 @@ class Reader:
             weakref.WeakValueDictionary())
         self._awaited: dict[str, RewardBatch] = {}
         self._chores: list[Callable[[], Any]] = []
+        self._writes: list[Callable[[Any], Any]] = []  # for the next read's pipeline
         self._read: Future[_Read] | None = None
         self._read_since = 0.0
         self._read_again = 0.0  # no read starts before (a failed one is tried again later)
@@ -93,6 +93,15 @@ class Reader:
             self._start()
             self._cond.notify()
 
+    def with_next_read(self, write: Callable[[Any], Any]) -> None:
+        """Queue `write(pipe)` (Redis writes nobody waits for: a batch's lease ended, results
+        read) on the pipeline of the reader's next read: no round trip of its own, and
+        none that holds up the deliveries after it. Redis away: the write is dropped."""
+        with self._cond:
+            self._writes.append(write)
+            self._start()
+            self._cond.notify()
+
     # -- the reader's thread -------------------------------------------------------------------
 
     def _start(self) -> None:
@@ -128,7 +137,7 @@ class Reader:
                     _safely(batch.tick)
             mono = time.monotonic()
             if self._read is None and mono >= self._read_again and (
-                    batches or mono - self._idle_since < IDLE_S):
+                    batches or self._writes or mono - self._idle_since < IDLE_S):
                 self._start_read(batches)
 
     def _wait(self) -> tuple[list[Callable[[], Any]] | None, list[RewardBatch]]:
@@ -141,7 +150,7 @@ class Reader:
             idle = not batches and mono - self._idle_since >= IDLE_S
             if chores:
                 return chores, batches
-            if idle and self._read is None:
+            if idle and self._read is None and not self._writes:
                 return None, batches
             due = min((b.due() for b in batches), default=now + IDLE_S)
             if self._read is None:
@@ -161,8 +170,10 @@ class Reader:
         block_ms = int(min(MAX_BLOCK_S, max(0.0, block_s)) * 1000)
         store, inbox, after = self.app.store, self.inbox, self._after
         self._read_since = now
+        with self._cond:
+            writes, self._writes = self._writes, []
         self._read = self._inbox.submit(records.read_inbox, store, inbox, after, block_ms,
-                                        self.app.qrq_config.embedded)
+                                        self.app.qrq_config.embedded, writes)
         self._read.add_done_callback(lambda _: self._notify())
 
     def _notify(self) -> None:
@@ -191,9 +202,7 @@ class Reader:
                 _safely(partial(found.arrived, logged, ended))
         every_ended = [t for _, tasks in arrived.values() for t in tasks]
         if every_ended:  # read (when needed) by now: the expiry stays as the safety net
-            with contextlib.suppress(redis.RedisError, OSError):
-                redis_wait.within(REDIS_READ_TIMEOUT_S,
-                                  partial(self.app.backend.forget_many, every_ended))
+            self.with_next_read(partial(self.app.backend.stage_forget, every_ended))
 
 
 def _safely(fn: Callable[[], Any]) -> None:

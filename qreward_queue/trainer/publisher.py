@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import keys
@@ -63,10 +63,12 @@ class Publisher:
                     (self.sentinel, self.keep_s()))
         return True
 
-    def end(self, state: bytes) -> None:
-        """Tell workers the batch is `done` or `cancelled` (no lease held: nothing to say)."""
+    def end(self, state: bytes, send: Callable[[Callable[[Any], Any]], None] | None = None
+            ) -> None:
+        """Tell workers the batch is `done` or `cancelled` (no lease held: nothing to say),
+        at once or through `send` (see lease.end)."""
         if self.sentinel:
-            lease.end(self.app.store, self.batch_id, state, self.keep_s())
+            lease.end(self.app.store, self.batch_id, state, self.keep_s(), send)
 
     def keep_s(self) -> float:
         return max(1.0, self.deadline - time.time() + 60)
