@@ -85,23 +85,27 @@ _renewer = PerProcess(_Renewer)  # a forked child: the parent's batches are the 
 
 
 def begin(store: redis.Redis, batch_id: str, lease_s: float,
-          sentinel: tuple[str, float] | None = None) -> None:
+          sentinel: tuple[str, float] | None = None,
+          also: Callable[[Any], Any] | None = None) -> None:
     """Set `batch_id`'s lease `live` (nx: a cancel stays) and, with `sentinel` (its key and
-    seconds to keep it), the batch's sentinel after it, in one round trip. Redis losing its
-    data takes the sentinel with it; the lease comes first, so that no worker sees the
-    sentinel without a live lease."""
+    seconds to keep it), the batch's sentinel after it, in one round trip (with the writes
+    `also` queues on its pipeline). Redis losing its data takes the sentinel with it; the
+    lease comes first, so that no worker sees the sentinel without a live lease."""
     with store.pipeline(transaction=False) as pipe:
         pipe.set(keys.lease(batch_id), LIVE, px=keys.lease_ttl_ms(lease_s), nx=True)
         if sentinel is not None:
             pipe.set(sentinel[0], 1, px=int(sentinel[1] * 1000))
+        if also is not None:
+            also(pipe)
         pipe.execute()
 
 
 def hold(owner: object, store: redis.Redis, batch_id: str, lease_s: float,
-         sentinel: tuple[str, float] | None = None) -> None:
+         sentinel: tuple[str, float] | None = None,
+         also: Callable[[Any], Any] | None = None) -> None:
     """`begin` the lease, then keep it live while `owner` (the RewardBatch) exists and until
     `end`."""
-    begin(store, batch_id, lease_s, sentinel)
+    begin(store, batch_id, lease_s, sentinel, also)
     renewer = _renewer.get()
     renewer.hold(store, batch_id, lease_s)
     weakref.finalize(owner, renewer.drop, batch_id)  # a batch nobody holds: let it lapse

@@ -72,14 +72,13 @@ class QueuedSamples:
                     pipe.publish(share["drained"], job)
         return True
 
-    def published(self, chunks: Iterable[Chunk], config: Config) -> None:
-        """`chunks` went onto their backends' queues."""
-        if not self.counting:
-            return
+    @staticmethod
+    def sizes(chunks: Iterable[Chunk], config: Config) -> Counter[str]:
+        """The samples `chunks` put on each backend's queue."""
         sizes: Counter[str] = Counter()
         for chunk in chunks:
             sizes[config.backend(chunk.backend).queue] += len(chunk.indices)
-        self.add(sizes)
+        return sizes
 
     def read(self, queue: str) -> int:
         """Samples waiting in `queue` (never below 0: a lost message may leave the count high)."""

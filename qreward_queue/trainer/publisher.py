@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
+
+import redis
 
 from .. import keys
 from ..broker import lease
@@ -32,11 +36,25 @@ class Publisher:
         all in one batch of one producer; the first send begins the lease, held while `owner`
         (the RewardBatch) lives. A vote stays with its judge: no sibling to fail over to."""
         config = self.app.qrq_config
+        # the planner's count of queued samples goes up as they are published (with the
+        # lease's round trip at the first send), and down again if publishing fails
+        counted, sizes = QueuedSamples.of(self.app), QueuedSamples.sizes(messages.values(), config)
         if not config.embedded and not self.sentinel:
             self.sentinel = keys.batch_sentinel(self.batch_id)
             lease.hold(owner, self.app.store, self.batch_id, config.lease_s,
-                       (self.sentinel, self.keep_s()))
-        expires = max(1.0, self.deadline - time.time())
+                       (self.sentinel, self.keep_s()), partial(counted.stage, samples=sizes))
+        else:
+            counted.add(sizes)
+        try:
+            self._publish(messages, work, votes)
+        except BaseException:
+            with contextlib.suppress(redis.RedisError, OSError):
+                counted.add({queue: -n for queue, n in sizes.items()})
+            raise
+
+    def _publish(self, messages: dict[str, Chunk], work: Sequence[dict[str, Any]],
+                 votes: bool) -> None:
+        config, expires = self.app.qrq_config, max(1.0, self.deadline - time.time())
         # kombu's publish batch sends every message in one pipelined round trip on Redis
         with self.app.producer_or_acquire() as producer, producer.batch():
             for task_id, chunk in messages.items():
@@ -53,7 +71,6 @@ class Publisher:
                     expires=expires,
                     **summary(chunk.backend, samples),
                 )
-        QueuedSamples.of(self.app).published(list(messages.values()), config)  # the planner's
 
     def sentinel_lost(self) -> bool:
         """True if Redis lost the batch's sentinel (its data); it is set again, lease first."""
