@@ -102,6 +102,19 @@ def xreads(client) -> int:
     return client.info("commandstats").get("cmdstat_xread", {}).get("calls", 0)
 
 
+def test_a_finished_batch_tells_workers_so_and_leaves_no_result_behind(slow_stack, redis_url):
+    """Both writes ride on the reader's next read, with no round trip of their own."""
+    app = slow_stack
+    samples = [s for i, s in enumerate(one_chunk("finished")) if i != SLOW]
+    batch = qrq.submit_batch(samples, route="j", app=app)
+    assert all(o.status == "ok" for o in batch.outcomes(timeout=30))
+    client = redis.Redis.from_url(redis_url)
+    wait_for(lambda: client.get(keys.lease(batch.batch_id)) == b"done", 10, "the lease's end")
+    wait_for(lambda: not list(client.scan_iter("qrq:celery-task-meta-*")), 10,
+             "the read results dropped")
+    client.close()
+
+
 def test_each_micro_batched_caller_gets_its_own_sample_when_it_is_scored(slow_stack):
     app = slow_stack
     batcher = MicroBatcher(max_items=CHUNK, max_wait_ms=50)  # the CHUNK samples: one batch
