@@ -1,7 +1,7 @@
 """A task's `qrq:held:` key: set when the worker receives the task, said again while the task
-runs, kept while it waits out its own retry, and gone once it ended for good, also when it ended while Redis was away (so its
-client sees it lost and sends it again once Redis answers, instead of waiting for the
-broker's visibility timeout)."""
+runs, kept while it waits out its own retry, and gone once it ended for good, also when it
+ended while Redis was away (so its client sees it lost and sends it again once Redis
+answers, instead of waiting for the broker's visibility timeout)."""
 
 from __future__ import annotations
 
