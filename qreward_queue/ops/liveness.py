@@ -158,21 +158,14 @@ class HeldKeeper:
             self._ended.update(ended)
             self._thread.ensure()
 
-    def _forget(self, ended: dict[str, redis.Redis]) -> None:
-        try:
-            for task_id, store in ended.items():
-                store.delete(keys.held(task_id))
-        except (redis.RedisError, OSError):  # Redis away: the keeper's next round does it
-            self._refused(ended)
-
     def _run(self) -> None:
         while True:
             time.sleep(self.every_s)
             with self._lock:
                 running = list(self._running.items())
                 ended, self._ended = self._ended, {}
-            if ended:
-                self._forget(ended)
+            for task_id, store in ended.items():  # refused before: tried again
+                self._writes_to(store).put(task_id, None)
             if not running:
                 continue
             store = running[0][1][0]
@@ -209,7 +202,9 @@ class _HeldWrites:
                 pipe.set(keys.held(task_id), held[0], ex=held[1])
 
         def written(ok: bool) -> None:
+            if ok:
+                return
             deletes = {t: self.store for t, held in pending.items() if held is None}
-            if not ok and deletes:  # a lost set is said again while its task runs
+            if deletes:  # a lost set is said again while its task runs
                 self._refused(deletes)
         return written

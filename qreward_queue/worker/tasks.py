@@ -58,9 +58,10 @@ def score_chunk(self, **kwargs: Any) -> list[dict]:
     config = app.backend_config(backend)
     done: list[dict | None] = list(msg.done) if msg.done else [None] * len(samples)
     todo = [i for i, o in enumerate(done) if o is None]
-    requeued = partial(_requeued, app, job=msg.job, level=_level(self.request))
+    level = _level(self.request)
+    requeued = partial(_requeued, app, job=msg.job, level=level)
     stop = partial(app.batch_watch.stop_reason, msg.batch)
-    todo, why = _begin(app, msg, config.queue, todo, done, _level(self.request))
+    todo, why = _begin(app, msg, config.queue, todo, done, level)
     recorder = None
     if msg.batch is not None and msg.indices is not None:
         recorder = records.Recorder(app.store, msg.batch, msg.deadline,
@@ -133,7 +134,6 @@ def score_chunk(self, **kwargs: Any) -> list[dict]:
         _give_up_spent(left, done, config.retry.attempts, backend)
         if not left:
             return _settled(done)
-    if nxt.action in ("wait", "retry"):
         metrics.record_retry(backend, "limiter_busy" if nxt.action == "wait" else "backoff")
         requeued(config.queue, len(left))
         raise _retry(self, kwargs=msg.retried(
